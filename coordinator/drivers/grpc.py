@@ -1,0 +1,121 @@
+"""Driver 2: real stage services over gRPC.
+
+Data plane: one Forward stream into stage 0 (the stages forward among themselves) and one Results
+subscription on the last stage. Control plane: one Control stream per stage. Messages on each stream keep
+their order; the two planes are independent (stages cope with either order).
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from protos import stage_pb2, stage_pb2_grpc
+from services.batch import Control, MicroBatch
+from services.grpc_server import channel_options
+from services.logs import get_logger
+from services.wire import batch_from_proto, batch_to_proto, control_to_proto
+
+log = get_logger(__name__)
+
+
+class PipelineError(RuntimeError):
+    pass
+
+
+class GrpcPipeline:
+    def __init__(self, addresses: list[str], max_message_bytes: int = 256 * 1024 * 1024,
+                 connect_timeout_s: float = 120.0) -> None:
+        if not addresses:
+            raise ValueError("a pipeline needs at least one stage address")
+        self.addresses = addresses
+        self.max_message_bytes = max_message_bytes
+        self.connect_timeout_s = connect_timeout_s
+        self.infos: list[stage_pb2.StageInfo] = []
+        self._channels: list[grpc.aio.Channel] = []
+        self._stubs: list[stage_pb2_grpc.StageStub] = []
+        self._forward = None
+        self._controls: list = []
+        self._results: asyncio.Queue[MicroBatch | BaseException] = asyncio.Queue()
+        self._reader: asyncio.Task | None = None
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.addresses)
+
+    async def start(self) -> None:
+        opts = channel_options(self.max_message_bytes)
+        self._channels = [grpc.aio.insecure_channel(a, options=opts) for a in self.addresses]
+        self._stubs = [stage_pb2_grpc.StageStub(c) for c in self._channels]
+        try:
+            self.infos = list(await asyncio.gather(*(
+                s.Info(stage_pb2.InfoRequest(), timeout=self.connect_timeout_s, wait_for_ready=True)
+                for s in self._stubs)))
+        except grpc.aio.AioRpcError as e:
+            raise PipelineError(f"cannot reach the stages {self.addresses}: {e.details()}") from e
+        check_coverage(self.infos, self.addresses)
+        results_call = self._stubs[-1].Results(stage_pb2.ResultsRequest(), wait_for_ready=True)
+        self._reader = asyncio.create_task(self._read_results(results_call))
+        await results_call.initial_metadata()
+        self._forward = self._stubs[0].Forward(wait_for_ready=True)
+        self._controls = [s.Control(wait_for_ready=True) for s in self._stubs]
+
+    async def _read_results(self, call) -> None:
+        try:
+            async for msg in call:
+                self._results.put_nowait(batch_from_proto(msg))
+            self._results.put_nowait(PipelineError("the last stage closed the results stream"))
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                self._results.put_nowait(PipelineError(f"results stream failed: {e.code().name} {e.details()}"))
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+
+    async def inject(self, batch: MicroBatch) -> None:
+        await self._forward.write(batch_to_proto(batch))
+
+    async def broadcast(self, control: Control) -> None:
+        msg = control_to_proto(control)
+        for call in self._controls:
+            await call.write(msg)
+
+    async def results(self) -> AsyncIterator[MicroBatch]:
+        while True:
+            item = await self._results.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    async def info(self, stage: int, request_id: str = "") -> stage_pb2.StageInfo:
+        return await self._stubs[stage].Info(stage_pb2.InfoRequest(request_id=request_id), timeout=30)
+
+    async def close(self) -> None:
+        for call in [self._forward, *self._controls]:
+            if call is not None:
+                try:
+                    await call.done_writing()
+                except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+                    pass
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except (asyncio.CancelledError, Exception):
+                pass
+        for c in self._channels:
+            await c.close()
+
+
+def check_coverage(infos: list[stage_pb2.StageInfo], addresses: list[str]) -> None:
+    """The stages, in order, must hold consecutive layer ranges covering the whole model."""
+    expected = 0
+    for addr, info in zip(addresses, infos):
+        if info.first_layer != expected:
+            raise PipelineError(f"stage at {addr} holds layers [{info.first_layer}, {info.last_layer}), "
+                                f"expected it to start at layer {expected}")
+        expected = info.last_layer
+    total = infos[0].num_layers_total
+    if expected != total:
+        raise PipelineError(f"the stages cover layers [0, {expected}) of the model's {total}")

@@ -1,0 +1,71 @@
+"""Driver 1: stage runners called directly, one pipeline step at a time (tests, equivalence checks).
+
+Each tick every stage computes the micro-batch in front of it (stage i's output is stage i+1's input at
+the next tick), results of the last stage go to the scheduler, control messages reach every stage at once,
+and at most one new micro-batch enters stage 0.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.batch import MicroBatch
+from services.runner import StageRunner
+
+from coordinator.schedulers.base import Broadcast, Emit, Finish, Inject, Request, Scheduler
+
+
+@dataclass
+class Outcome:
+    tokens: list[int] = field(default_factory=list)
+    reason: str = ""
+    stats: dict[str, float] = field(default_factory=dict)
+    error: str = ""
+
+
+class InProcessPipeline:
+    def __init__(self, runners: list[StageRunner]) -> None:
+        if not runners:
+            raise ValueError("a pipeline needs at least one stage")
+        self.runners = runners
+        self.ticks = 0
+
+    def run(self, scheduler: Scheduler, requests: list[Request], max_ticks: int = 100_000) -> dict[str, Outcome]:
+        outcomes = {r.request_id: Outcome() for r in requests}
+        for r in requests:
+            scheduler.add(r)
+        stages: list[MicroBatch | None] = [None] * len(self.runners)
+        waiting: deque[MicroBatch] = deque()
+        done: set[str] = set()
+        for _ in range(max_ticks):
+            self._apply(scheduler, outcomes, waiting, done)
+            if len(done) == len(requests) and not any(stages) and not waiting:
+                return outcomes
+            if stages[0] is None and waiting:
+                stages[0] = waiting.popleft()
+            nxt: list[MicroBatch | None] = [None] * len(self.runners)
+            for i, batch in enumerate(stages):
+                if batch is None:
+                    continue
+                out = self.runners[i].step(batch)
+                if i + 1 < len(self.runners):
+                    nxt[i + 1] = out
+                else:
+                    scheduler.on_result(out)
+            stages = nxt
+            self.ticks += 1
+        raise RuntimeError(f"pipeline did not finish within {max_ticks} ticks")
+
+    def _apply(self, scheduler, outcomes, waiting, done) -> None:
+        for action in scheduler.poll():
+            if isinstance(action, Inject):
+                waiting.append(action.batch)
+            elif isinstance(action, Broadcast):
+                for r in self.runners:
+                    r.apply(action.control)
+            elif isinstance(action, Emit):
+                outcomes[action.request_id].tokens.extend(action.token_ids)
+            elif isinstance(action, Finish):
+                o = outcomes[action.request_id]
+                o.reason, o.stats, o.error = action.reason, action.stats, action.error
+                done.add(action.request_id)

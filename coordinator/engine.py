@@ -1,0 +1,164 @@
+"""The coordinator's engine: runs the schedulers over a pipeline transport for many concurrent requests.
+
+One task executes actions in the order the schedulers produced them (so a node is always injected after
+its parent and after its commit broadcast), one task feeds results back. Each request gets a queue of
+events: ("tokens", [ids]) as tokens commit, then ("finish", Finished).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from services.batch import Control, MicroBatch
+from services.logs import get_logger
+
+from coordinator.schedulers.base import Broadcast, Emit, Finish, Inject, Request, Scheduler
+from coordinator.schedulers.registry import make_scheduler
+
+log = get_logger(__name__)
+
+
+class Transport(Protocol):
+    num_stages: int
+
+    async def inject(self, batch: MicroBatch) -> None: ...
+    async def broadcast(self, control: Control) -> None: ...
+    def results(self): ...
+
+
+@dataclass
+class Finished:
+    reason: str
+    stats: dict[str, float]
+    error: str = ""
+    error_code: int = 0
+
+
+@dataclass
+class _Live:
+    scheduler: Scheduler
+    events: asyncio.Queue
+    submitted: float
+    token_times: list[float] = field(default_factory=list)
+    tokens: int = 0
+
+
+class Engine:
+    def __init__(self, transport: Transport, default_method: str = "pp") -> None:
+        self.transport = transport
+        self.default_method = default_method
+        self._schedulers: dict[str, Scheduler] = {}
+        self._live: dict[str, _Live] = {}
+        self._owner: dict[int, tuple[Scheduler, int]] = {}     # wire batch id -> (scheduler, its batch id)
+        self._batch_ids = itertools.count(1)
+        self._work: asyncio.Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self.failure: BaseException | None = None
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._execute()), asyncio.create_task(self._pump())]
+
+    async def close(self) -> None:
+        for rid in list(self._live):
+            self.cancel(rid)
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    @property
+    def active(self) -> int:
+        return len(self._live)
+
+    def scheduler(self, method: str) -> Scheduler:
+        if method not in self._schedulers:
+            self._schedulers[method] = make_scheduler(method, self.transport.num_stages)
+        return self._schedulers[method]
+
+    def submit(self, prompt_ids: list[int], max_new_tokens: int, method: str = "",
+               eos_ids: frozenset[int] = frozenset(), request_id: str = "") -> tuple[str, asyncio.Queue]:
+        """Start a request; returns its id and its event queue. Raises ValueError for bad input and
+        RuntimeError when the pipeline has failed."""
+        if self.failure is not None:
+            raise RuntimeError(f"the pipeline failed: {self.failure}")
+        sched = self.scheduler(method or self.default_method)
+        rid = request_id or uuid.uuid4().hex[:16]
+        live = _Live(sched, asyncio.Queue(), time.perf_counter())
+        sched.add(Request(rid, list(prompt_ids), max_new_tokens, eos_ids))
+        self._live[rid] = live
+        self._drain(sched)
+        return rid, live.events
+
+    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        live = self._live.get(request_id)
+        if live is not None:
+            live.scheduler.cancel(request_id, reason)
+            self._drain(live.scheduler)
+
+    def _drain(self, sched: Scheduler) -> None:
+        for action in sched.poll():
+            self._work.put_nowait((sched, action))
+
+    async def _execute(self) -> None:
+        while True:
+            sched, action = await self._work.get()
+            try:
+                if isinstance(action, Inject):
+                    wire_id = next(self._batch_ids)
+                    self._owner[wire_id] = (sched, action.batch.batch_id)
+                    action.batch.batch_id = wire_id
+                    await self.transport.inject(action.batch)
+                elif isinstance(action, Broadcast):
+                    await self.transport.broadcast(action.control)
+                elif isinstance(action, Emit):
+                    self._emit(action)
+                elif isinstance(action, Finish):
+                    self._finish(action)
+            except Exception as e:   # a broken transport fails every request, not the process
+                log.error("pipeline transport failed", error=str(e))
+                self._fail_all(e)
+
+    async def _pump(self) -> None:
+        try:
+            async for batch in self.transport.results():
+                owner = self._owner.pop(batch.batch_id, None)
+                if owner is None:
+                    continue
+                sched, local_id = owner
+                batch.batch_id = local_id
+                sched.on_result(batch)
+                self._drain(sched)
+        except Exception as e:
+            log.error("pipeline results failed", error=str(e))
+            self._fail_all(e)
+
+    def _emit(self, action: Emit) -> None:
+        live = self._live.get(action.request_id)
+        if live is None:
+            return
+        live.token_times.append(time.perf_counter())
+        live.tokens += len(action.token_ids)
+        live.events.put_nowait(("tokens", action.token_ids))
+
+    def _finish(self, action: Finish) -> None:
+        live = self._live.pop(action.request_id, None)
+        if live is None:
+            return
+        stats = dict(action.stats)
+        now = time.perf_counter()
+        times = live.token_times
+        stats["wall_ms"] = (now - live.submitted) * 1e3
+        stats["ttft_ms"] = (times[0] - live.submitted) * 1e3 if times else 0.0
+        stats["tbt_ms"] = (times[-1] - times[0]) * 1e3 / (live.tokens - 1) if live.tokens > 1 else 0.0
+        log.debug("request finished", request_id=action.request_id, reason=action.reason, **stats)
+        live.events.put_nowait(("finish", Finished(action.reason, stats, action.error, action.error_code)))
+
+    def _fail_all(self, error: BaseException) -> None:
+        self.failure = error
+        for rid, live in list(self._live.items()):
+            live.events.put_nowait(("finish", Finished("error", {}, f"pipeline failure: {error}", 14)))
+            live.scheduler.requests.pop(rid, None)
+        self._live.clear()

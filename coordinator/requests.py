@@ -1,0 +1,53 @@
+"""Checking a generation request against the model and the server's limits (pure; no gRPC)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class InvalidRequest(ValueError):
+    """The request cannot be served as asked; the message says what is wrong."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    vocab_size: int
+    max_position: int              # the model's context length
+    default_max_new_tokens: int
+    max_new_tokens_cap: int
+
+
+@dataclass(frozen=True)
+class Params:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    method: str
+    stop: tuple[str, ...]
+    ignore_eos: bool
+
+
+def check(prompt_ids: list[int], max_new_tokens: int | None, method: str, methods: list[str],
+          temperature: float, top_p: float, top_k: int, stop: list[str], ignore_eos: bool,
+          limits: Limits) -> Params:
+    if not prompt_ids:
+        raise InvalidRequest("empty prompt: give prompt text or prompt_token_ids")
+    bad = [t for t in prompt_ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})")
+    n = limits.default_max_new_tokens if max_new_tokens is None else max_new_tokens
+    if n < 1:
+        raise InvalidRequest(f"max_new_tokens must be at least 1, got {n}")
+    if n > limits.max_new_tokens_cap:
+        raise InvalidRequest(f"max_new_tokens {n} is above this server's cap of {limits.max_new_tokens_cap}")
+    if len(prompt_ids) + n > limits.max_position:
+        raise InvalidRequest(f"prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({n}) exceeds the "
+                             f"model's context of {limits.max_position} tokens")
+    if method not in methods:
+        raise InvalidRequest(f"unknown method {method!r}; available: {', '.join(sorted(methods))}")
+    if temperature < 0 or top_p < 0 or top_p > 1 or top_k < 0:
+        raise InvalidRequest("temperature must be >= 0, top_p in [0, 1], top_k >= 0")
+    if temperature > 0:
+        raise InvalidRequest("sampling (temperature > 0) is not supported by this build yet; "
+                             "use temperature 0 (greedy)")
+    if any(len(s) > 256 for s in stop) or len(stop) > 16:
+        raise InvalidRequest("at most 16 stop strings of at most 256 characters each")
+    return Params(list(prompt_ids), n, method, tuple(s for s in stop if s), ignore_eos)

@@ -1,0 +1,197 @@
+"""Schedulers are sans-IO state machines (DESIGN §3).
+
+A scheduler is fed events — a request arrived (`add`), a micro-batch came back from the last stage
+(`on_result`), a request was cancelled (`cancel`) — and hands back actions (`poll`): inject a micro-batch
+into stage 0, broadcast a control message to every stage, emit committed tokens, finish a request. It never
+sleeps, reads a clock or touches a socket, so the same scheduler runs in-process, over gRPC, or under a
+simulated clock.
+
+Steps are counted on a logical pipeline clock: a micro-batch injected at step t comes back at step t + S;
+injections happen at most one per step. A request's `steps` run from its first injection to its last
+result, so plain pipelining of one request needs S steps per token and the ideal SpecPipe needs one.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from services.batch import Control, MicroBatch, Segment
+
+
+@dataclass(frozen=True)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    eos_ids: frozenset[int] = frozenset()
+
+
+@dataclass
+class Inject:
+    batch: MicroBatch
+
+
+@dataclass
+class Broadcast:
+    control: Control
+
+
+@dataclass
+class Emit:
+    request_id: str
+    token_ids: list[int]
+
+
+@dataclass
+class Finish:
+    request_id: str
+    reason: str                   # "length", "eos", "stop", "cancelled", "error"
+    stats: dict[str, float]
+    error: str = ""
+    error_code: int = 0
+
+
+Action = Inject | Broadcast | Emit | Finish
+
+
+@dataclass
+class RequestState:
+    request: Request
+    next_node: int = 0
+    committed: list[int] = field(default_factory=list)      # node ids of the committed chain
+    generated: list[int] = field(default_factory=list)      # generated token ids
+    in_flight: int = 0                                      # micro-batches of this request in the pipeline
+    first_step: int | None = None
+    last_step: int = 0
+    counters: dict[str, float] = field(default_factory=dict)
+
+    def new_node(self) -> int:
+        self.next_node += 1
+        return self.next_node - 1
+
+    def count(self, name: str, n: float = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+
+class Scheduler(ABC):
+    name = "base"
+
+    def __init__(self, num_stages: int) -> None:
+        if num_stages < 1:
+            raise ValueError("num_stages must be at least 1")
+        self.num_stages = num_stages
+        self.requests: dict[str, RequestState] = {}
+        self._actions: list[Action] = []
+        self._next_batch = 0
+        self._batches: dict[int, tuple[int, list[str]]] = {}   # batch id -> (inject step, request ids)
+        self._clock = 0              # logical step of the latest event
+        self._last_inject = -1
+
+    # -- events -------------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id} is already running")
+        if not request.prompt_ids:
+            raise ValueError("empty prompt")
+        if request.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        state = RequestState(request)
+        self.requests[request.request_id] = state
+        self._start(state)
+
+    def on_result(self, batch: MicroBatch) -> None:
+        inject_step, request_ids = self._batches.pop(batch.batch_id, (self._clock, []))
+        self._clock = max(self._clock, inject_step + self.num_stages)
+        for rid in request_ids:
+            state = self.requests.get(rid)
+            if state is not None:
+                state.in_flight -= 1
+                state.last_step = self._clock
+        offset = 0
+        for seg in batch.segments:
+            n_out = sum(seg.want_output)
+            outputs, offset = batch.argmax[offset:offset + n_out], offset + n_out
+            state = self.requests.get(seg.request_id)
+            if state is None:
+                continue
+            if seg.error:
+                self._finish(state, "error", error=f"stage {seg.error_stage}: {seg.error}",
+                             error_code=seg.error_code or 13)
+                continue
+            self._on_segment(state, seg, outputs)
+
+    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        state = self.requests.get(request_id)
+        if state is not None:
+            self._finish(state, reason)
+
+    def poll(self) -> list[Action]:
+        actions, self._actions = self._actions, []
+        return actions
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._batches)
+
+    # -- for subclasses -----------------------------------------------------------------------------
+    @abstractmethod
+    def _start(self, state: RequestState) -> None:
+        """A request arrived: broadcast its commits and inject its first micro-batch(es)."""
+
+    @abstractmethod
+    def _on_segment(self, state: RequestState, seg: Segment, outputs: list[int]) -> None:
+        """The last stage returned `seg` (rows that survived) and the greedy token of each output row."""
+
+    def _inject(self, segments: list[Segment], return_logprobs: bool = False) -> int:
+        batch_id = self._next_batch
+        self._next_batch += 1
+        step = max(self._clock, self._last_inject + 1)
+        self._last_inject = step
+        rids = [s.request_id for s in segments]
+        self._batches[batch_id] = (step, rids)
+        for rid in rids:
+            state = self.requests[rid]
+            state.in_flight += 1
+            if state.first_step is None:
+                state.first_step = step
+        self._actions.append(Inject(MicroBatch(batch_id, segments, return_logprobs=return_logprobs)))
+        return batch_id
+
+    def _broadcast(self, control: Control) -> None:
+        self._actions.append(Broadcast(control))
+
+    def _commit(self, state: RequestState, node_ids: list[int], tokens: list[int]) -> bool:
+        """Commit generated tokens (their nodes), emit them, and finish the request when it is done.
+        Returns True while the request goes on."""
+        limit = state.request.max_new_tokens - len(state.generated)
+        node_ids, tokens = node_ids[:limit], tokens[:limit]
+        for i, t in enumerate(tokens):
+            if t in state.request.eos_ids:
+                node_ids, tokens = node_ids[:i + 1], tokens[:i + 1]
+                break
+        state.committed.extend(node_ids)
+        state.generated.extend(tokens)
+        if tokens:
+            self._actions.append(Emit(state.request.request_id, tokens))
+        if tokens and tokens[-1] in state.request.eos_ids:
+            self._finish(state, "eos")
+            return False
+        if len(state.generated) >= state.request.max_new_tokens:
+            self._finish(state, "length")
+            return False
+        self._broadcast(Control(state.request.request_id, commit=node_ids))
+        return True
+
+    def _finish(self, state: RequestState, reason: str, error: str = "", error_code: int = 0) -> None:
+        rid = state.request.request_id
+        del self.requests[rid]
+        self._broadcast(Control(rid, release=True))
+        self._actions.append(Finish(rid, reason, self.stats(state), error, error_code))
+
+    def stats(self, state: RequestState) -> dict[str, float]:
+        steps = state.last_step - (state.first_step or 0)
+        n = len(state.generated)
+        out = {"steps": float(steps), "tokens": float(n),
+               "tokens_per_step": n / steps if steps else 0.0}
+        out.update(state.counters)
+        return out

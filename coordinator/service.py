@@ -1,0 +1,148 @@
+"""The coordinator as a library: prompt -> validated request -> engine -> stream of text chunks.
+
+Both the public gRPC API (coordinator/api.py) and `specpipe run` drive generation through
+Coordinator.generate, so they behave the same.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from services.logs import get_logger
+from services.model.loader import resolve_model, stderr_log
+
+from coordinator.config import CoordinatorConfig
+from coordinator.drivers.grpc import GrpcPipeline
+from coordinator.engine import Engine, Finished
+from coordinator.requests import InvalidRequest, Limits, check
+from coordinator.schedulers.registry import SCHEDULERS
+from coordinator.text import PromptEncoder, TextStream
+
+log = get_logger(__name__)
+
+
+@dataclass
+class GenerateInput:
+    prompt: str = ""
+    prompt_token_ids: list[int] = field(default_factory=list)
+    raw: bool = False
+    max_new_tokens: int | None = None
+    method: str = ""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass
+class Chunk:
+    token_ids: list[int]
+    text: str
+    finish_reason: str = ""
+    stats: dict[str, float] | None = None
+    request_id: str = ""
+
+
+class GenerationFailed(RuntimeError):
+    def __init__(self, message: str, code: int = 13) -> None:
+        super().__init__(message)
+        self.code = code        # grpc.StatusCode value[0]
+
+
+class Coordinator:
+    def __init__(self, config: CoordinatorConfig, pipeline: GrpcPipeline, engine: Engine,
+                 encoder: PromptEncoder, eos_ids: frozenset[int], limits: Limits) -> None:
+        self.config, self.pipeline, self.engine = config, pipeline, engine
+        self.encoder, self.eos_ids, self.limits = encoder, eos_ids, limits
+
+    @classmethod
+    async def connect(cls, config: CoordinatorConfig) -> "Coordinator":
+        pipeline = GrpcPipeline(list(config.stages), config.max_message_mb * 1024 * 1024,
+                                config.connect_timeout_s)
+        await pipeline.start()
+        info = pipeline.infos[0]
+        tokenizer, eos_ids = await asyncio.to_thread(load_tokenizer, config.model)
+        limits = Limits(info.vocab_size, info.max_position, config.default_max_new_tokens,
+                        config.max_new_tokens_cap)
+        engine = Engine(pipeline, default_method=config.method)
+        await engine.start()
+        log.info("coordinator connected", stages=len(config.stages), vocab=info.vocab_size,
+                 context=info.max_position, tokenizer=tokenizer is not None)
+        return cls(config, pipeline, engine, PromptEncoder(tokenizer), eos_ids, limits)
+
+    async def close(self) -> None:
+        await self.engine.close()
+        await self.pipeline.close()
+
+    def prepare(self, inp: GenerateInput):
+        """Validate and tokenize; raises InvalidRequest."""
+        if inp.prompt and inp.prompt_token_ids:
+            raise InvalidRequest("give prompt or prompt_token_ids, not both")
+        if inp.prompt_token_ids:
+            ids = list(inp.prompt_token_ids)
+        elif inp.prompt:
+            try:
+                ids = self.encoder.encode(inp.prompt, chat=not inp.raw)
+            except ValueError as e:
+                raise InvalidRequest(str(e)) from None
+        else:
+            ids = []
+        return check(ids, inp.max_new_tokens, inp.method or self.config.method, list(SCHEDULERS),
+                     inp.temperature, inp.top_p, inp.top_k, inp.stop, inp.ignore_eos, self.limits)
+
+    async def generate(self, inp: GenerateInput) -> AsyncIterator[Chunk]:
+        params = self.prepare(inp)
+        eos = frozenset() if params.ignore_eos else self.eos_ids
+        try:
+            rid, events = self.engine.submit(params.prompt_ids, params.max_new_tokens, params.method, eos)
+        except RuntimeError as e:
+            raise GenerationFailed(str(e), code=14) from None
+        text = TextStream(self.encoder.decode, params.stop)
+        done = False
+        try:
+            while True:
+                kind, payload = await events.get()
+                if kind == "tokens":
+                    if text.stopped:
+                        continue
+                    delta, stopped = text.feed(payload)
+                    if stopped:
+                        self.engine.cancel(rid, "stop")
+                    yield Chunk(payload, delta, request_id=rid)
+                    continue
+                fin: Finished = payload
+                done = True
+                if fin.reason == "error":
+                    raise GenerationFailed(fin.error, fin.error_code or 13)
+                reason = "stop" if text.stopped else fin.reason
+                stats = dict(fin.stats, prompt_tokens=len(params.prompt_ids))
+                yield Chunk([], text.flush(), reason, stats, request_id=rid)
+                return
+        finally:
+            if not done:
+                self.engine.cancel(rid)
+
+
+def load_tokenizer(model: str) -> tuple[object | None, frozenset[int]]:
+    """The model's tokenizer (None when the folder has none) and its end-of-sequence ids."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    ref = resolve_model(model, log=stderr_log)
+    try:
+        tok = AutoTokenizer.from_pretrained(ref)
+    except (OSError, ValueError, TypeError) as e:
+        log.warning("no tokenizer: text prompts will be refused", model=ref, error=str(e).splitlines()[0])
+        tok = None
+    eos: set[int] = set()
+    if tok is not None and tok.eos_token_id is not None:
+        eos.add(int(tok.eos_token_id))
+    try:
+        gen = GenerationConfig.from_pretrained(ref)
+        ids = gen.eos_token_id
+        eos.update([ids] if isinstance(ids, int) else list(ids or []))
+    except (OSError, ValueError):
+        pass
+    return tok, frozenset(eos)

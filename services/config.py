@@ -1,0 +1,125 @@
+"""StageConfig: everything one stage process needs, from CLI flags or environment (SPECPIPE_* vars)."""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass, fields
+
+import torch
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+MiB = 1024 * 1024
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose from {', '.join(DTYPES)}") from None
+
+
+def parse_stage_time(spec: str) -> tuple[float, float]:
+    """'A' or 'A+B' -> (A ms per step, B ms per row).
+
+    >>> parse_stage_time("120+0.5")
+    (120.0, 0.5)
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(?:\+\s*(\d+(?:\.\d+)?))?\s*", spec or "0")
+    if not m:
+        raise ValueError(f"stage time {spec!r} is not of the form A or A+B (milliseconds)")
+    return float(m.group(1)), float(m.group(2) or 0.0)
+
+
+def check_device(device: str) -> str:
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but CUDA is not available on this machine")
+    torch.device(device)   # raises on nonsense
+    return device
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    model: str = "default"              # HF folder, hub id, or "default" (embedded SmolLM2-135M-Instruct)
+    stage: int = 0                      # this stage's index
+    num_stages: int = 1
+    first_layer: int = -1               # -1: even split of the model's layers over num_stages
+    last_layer: int = -1                # exclusive; -1: even split
+    host: str = "127.0.0.1"
+    port: int = 0                       # 0: pick a free port (printed and written to port_file)
+    port_file: str = ""                 # write the bound port here once serving
+    next_hop: str = ""                  # HOST:PORT of the next stage; empty on the last stage
+    dtype: str = "float32"
+    device: str = "cpu"
+    threads: int = 1                    # torch intra-op threads
+    stage_time_ms: str = "0"            # emulated stage time "A" or "A+B" (A ms per step + B ms per row)
+    grace_s: float = 10.0               # drain time on SIGTERM
+    max_message_mb: int = 256           # gRPC send/receive limit
+
+    def __post_init__(self) -> None:
+        if self.num_stages < 1:
+            raise ValueError("num_stages must be at least 1")
+        if not 0 <= self.stage < self.num_stages:
+            raise ValueError(f"stage {self.stage} is outside [0, {self.num_stages})")
+        if (self.first_layer < 0) != (self.last_layer < 0):
+            raise ValueError("give both first_layer and last_layer, or neither")
+        if self.threads < 1:
+            raise ValueError("threads must be at least 1")
+        parse_dtype(self.dtype)
+        parse_stage_time(self.stage_time_ms)
+        check_device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)
+
+    @property
+    def stage_time(self) -> tuple[float, float]:
+        return parse_stage_time(self.stage_time_ms)
+
+    @classmethod
+    def add_arguments(cls, p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", default=os.environ.get("SPECPIPE_MODEL", cls.model),
+                       help="Hugging Face folder or hub id; 'default' = embedded SmolLM2-135M-Instruct")
+        p.add_argument("--stage", type=int, default=_env_int("SPECPIPE_STAGE", cls.stage))
+        p.add_argument("--num-stages", type=int, default=_env_int("SPECPIPE_NUM_STAGES", cls.num_stages))
+        p.add_argument("--layers", default=os.environ.get("SPECPIPE_LAYERS", ""),
+                       help="layer range A:B held by this stage (default: even split)")
+        p.add_argument("--host", default=os.environ.get("SPECPIPE_HOST", cls.host))
+        p.add_argument("--port", type=int, default=_env_int("SPECPIPE_PORT", cls.port))
+        p.add_argument("--port-file", default=cls.port_file, help=argparse.SUPPRESS)
+        p.add_argument("--next-hop", default=os.environ.get("SPECPIPE_NEXT_HOP", cls.next_hop),
+                       help="HOST:PORT of the next stage (empty on the last stage)")
+        p.add_argument("--dtype", default=os.environ.get("SPECPIPE_DTYPE", cls.dtype), choices=sorted(DTYPES))
+        p.add_argument("--device", default=os.environ.get("SPECPIPE_DEVICE", cls.device))
+        p.add_argument("--threads", type=int, default=_env_int("SPECPIPE_THREADS", cls.threads))
+        p.add_argument("--stage-time-ms", default=os.environ.get("SPECPIPE_STAGE_TIME_MS", cls.stage_time_ms),
+                       help="emulated stage time: at least A ms per step plus B ms per row ('A' or 'A+B')")
+        p.add_argument("--grace-s", type=float, default=float(os.environ.get("SPECPIPE_GRACE_S", cls.grace_s)))
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "StageConfig":
+        first, last = -1, -1
+        if args.layers:
+            try:
+                first, last = (int(x) for x in args.layers.split(":"))
+            except ValueError:
+                raise ValueError(f"--layers {args.layers!r} is not of the form A:B") from None
+        return cls(model=args.model, stage=args.stage, num_stages=args.num_stages, first_layer=first,
+                   last_layer=last, host=args.host, port=args.port, port_file=args.port_file,
+                   next_hop=args.next_hop, dtype=args.dtype, device=args.device, threads=args.threads,
+                   stage_time_ms=args.stage_time_ms, grace_s=args.grace_s)
+
+    @classmethod
+    def from_env(cls) -> "StageConfig":
+        p = argparse.ArgumentParser()
+        cls.add_arguments(p)
+        return cls.from_args(p.parse_args([]))
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+CONFIG_FIELDS = [f.name for f in fields(StageConfig)]

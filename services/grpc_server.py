@@ -1,0 +1,74 @@
+"""What every SpecPipe gRPC server shares: message limits, health, reflection, SIGTERM drain."""
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.logs import get_logger
+
+log = get_logger(__name__)
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Client options: explicit message limits and a keepalive that servers below accept."""
+    return [("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0)]
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+            ("grpc.http2.max_ping_strikes", 0)]
+
+
+class Server:
+    """A grpc.aio server with health (grpc.health.v1) and reflection for the given service names."""
+
+    def __init__(self, service_names: list[str], max_message_bytes: int) -> None:
+        self.server = grpc.aio.server(options=server_options(max_message_bytes))
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names = service_names
+        reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME],
+                                            self.server)
+        self.port = 0
+
+    def bind(self, host: str, port: int) -> int:
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {host}:{port}")
+        return self.port
+
+    async def start(self) -> None:
+        await self.server.start()
+        for name in ["", *self.service_names]:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self, grace_s: float) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+
+    async def serve_until_signal(self, grace_s: float,
+                                 on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Serve until SIGTERM or SIGINT, then report NOT_SERVING, drain for grace_s and stop."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("draining", grace_s=grace_s)
+        await self.stop(grace_s)
+        if on_stop is not None:
+            await on_stop()
+        log.info("stopped")

@@ -1,0 +1,148 @@
+"""KV storage of one stage: per request, K and V for each local layer in node slots.
+
+Rows of the cache are *slots*; a node gets a slot when it is admitted and gives it back when pruned, so
+KV never moves. Attention for a row is a boolean mask over slots built from the NodeTable: the committed
+prefix up to the row's deepest committed ancestor, plus the row's uncommitted ancestors.
+
+Shapes: k[layer], v[layer]: [capacity, kv_heads, head_dim]; slot_position: [capacity];
+committed: [capacity] (bool).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from services.nodes import Admit, NodeTable
+
+
+@dataclass
+class CacheGeometry:
+    num_layers: int        # layers held by this stage
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    initial_slots: int = 64
+
+
+@dataclass
+class RequestKV:
+    """Everything one request holds at one stage."""
+    geometry: CacheGeometry
+    table: NodeTable = field(default_factory=NodeTable)
+    slot_of: dict[int, int] = field(default_factory=dict)
+    free: list[int] = field(default_factory=list)
+    high_water: int = 0    # slots [0, high_water) have been used at least once
+    k: list[torch.Tensor] = field(default_factory=list)
+    v: list[torch.Tensor] = field(default_factory=list)
+    slot_position: torch.Tensor | None = None   # [capacity] int64
+    committed: torch.Tensor | None = None       # [capacity] bool
+
+    def __post_init__(self) -> None:
+        self._allocate(self.geometry.initial_slots)
+
+    @property
+    def capacity(self) -> int:
+        return int(self.slot_position.shape[0])
+
+    def _allocate(self, capacity: int) -> None:
+        g = self.geometry
+        shape = (capacity, g.kv_heads, g.head_dim)
+        old = self.high_water
+        new_k = [torch.zeros(shape, dtype=g.dtype, device=g.device) for _ in range(g.num_layers)]
+        new_v = [torch.zeros(shape, dtype=g.dtype, device=g.device) for _ in range(g.num_layers)]
+        for i in range(len(self.k)):
+            new_k[i][:old] = self.k[i][:old]
+            new_v[i][:old] = self.v[i][:old]
+        pos = torch.full((capacity,), -1, dtype=torch.int64, device=g.device)
+        com = torch.zeros((capacity,), dtype=torch.bool, device=g.device)
+        if self.slot_position is not None:
+            pos[:old] = self.slot_position[:old]
+            com[:old] = self.committed[:old]
+        self.k, self.v, self.slot_position, self.committed = new_k, new_v, pos, com
+
+    def _take_slot(self) -> int:
+        if self.free:
+            return self.free.pop()
+        if self.high_water == self.capacity:
+            self._allocate(self.capacity * 2)
+        self.high_water += 1
+        return self.high_water - 1
+
+    # -- admission and control ----------------------------------------------------------------------
+    def admit(self, node_id: int, parent_id: int, position: int) -> int | None:
+        """Admit a row; return its slot, or None when the row is dropped."""
+        if self.table.admit(node_id, parent_id, position) is Admit.DROP:
+            return None
+        slot = self._take_slot()
+        self.slot_of[node_id] = slot
+        self.slot_position[slot] = position
+        self.committed[slot] = self.table.nodes[node_id].committed
+        return slot
+
+    def commit(self, ids: list[int]) -> None:
+        self.table.commit(ids)
+        for node_id in ids:
+            slot = self.slot_of.get(node_id)
+            if slot is not None:
+                self.committed[slot] = True
+
+    def prune(self, ids: list[int]) -> int:
+        freed = self.table.prune(ids)
+        for node_id in freed:
+            slot = self.slot_of.pop(node_id)
+            self.slot_position[slot] = -1
+            self.free.append(slot)
+        return len(freed)
+
+    # -- attention ----------------------------------------------------------------------------------
+    def attention_mask(self, node_ids: list[int]) -> torch.Tensor:
+        """Boolean mask [rows, high_water]: True where row i may attend to a slot."""
+        hw = self.high_water
+        anchors = torch.empty(len(node_ids), dtype=torch.int64)
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, node_id in enumerate(node_ids):
+            anchor, path = self.table.visible(node_id)
+            anchors[i] = anchor
+            for n in path:
+                rows.append(i)
+                cols.append(self.slot_of[n])
+        anchors = anchors.to(self.slot_position.device)
+        mask = self.committed[None, :hw] & (self.slot_position[None, :hw] <= anchors[:, None])
+        if rows:
+            mask[torch.tensor(rows, device=mask.device), torch.tensor(cols, device=mask.device)] = True
+        return mask
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class KVCache:
+    """All requests held by one stage. The stage runner is its only user."""
+
+    def __init__(self, geometry: CacheGeometry, released_memory: int = 4096) -> None:
+        self.geometry = geometry
+        self.requests: dict[str, RequestKV] = {}
+        self._released: dict[str, None] = {}   # insertion-ordered set of recently released ids
+        self._released_memory = released_memory
+
+    def get(self, request_id: str, create: bool) -> RequestKV | None:
+        """The request's state; None if it was released (late rows of an ended request are dropped)."""
+        if request_id in self._released:
+            return None
+        state = self.requests.get(request_id)
+        if state is None and create:
+            state = self.requests[request_id] = RequestKV(self.geometry)
+        return state
+
+    def release(self, request_id: str) -> bool:
+        existed = self.requests.pop(request_id, None) is not None
+        self._released[request_id] = None
+        while len(self._released) > self._released_memory:
+            self._released.pop(next(iter(self._released)))
+        return existed
+
+    def nbytes(self) -> int:
+        return sum(r.nbytes() for r in self.requests.values())

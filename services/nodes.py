@@ -1,0 +1,148 @@
+"""Per-request node bookkeeping of a stage: which nodes it holds, which are committed, which are dead.
+
+Pure Python; one NodeTable per request, owned by the stage's KV cache. It decides, for every incoming
+row, whether the row is computed or dropped, and which held nodes a row may attend to.
+
+Rules (DESIGN §3: control and data planes are separate streams, so commit/prune may arrive before or after
+the rows they name):
+- commit(ids): the nodes are part of the output. Ids not yet held are remembered and take effect when
+  their row arrives. Committed nodes form one chain; `tip` is the deepest committed node held.
+- prune(ids): the nodes and their held descendants are dead: their KV is freed and their ids become
+  tombstones, kept until release. A later row with a tombstoned id or parent is dropped (and tombstoned).
+- A row is also dropped when it can no longer be committed: its deepest committed ancestor C is not the
+  tip, i.e. a sibling branch below C was committed.
+- A row whose parent was never seen is a protocol error.
+
+Worked example (positions in brackets):
+
+    0[0] -> 1[1] -> 2[2]          commit(0, 1)    committed chain 0, 1; tip = 1
+              \\-> 3[2]            rows 2 and 3 are live children of the tip
+    commit(2)                     tip = 2; 3's deepest committed ancestor is 1 != tip: 3 is dead
+    admit(4, parent=3)            -> DROP (parent not live); 4 becomes a tombstone
+    prune(3)                      frees 3, remembers it
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class ProtocolError(ValueError):
+    """A message that no correct coordinator sends (unknown parent, duplicate node, bad position)."""
+
+
+class Admit(Enum):
+    OK = "ok"
+    DROP = "drop"
+
+
+@dataclass
+class Node:
+    parent: int
+    position: int
+    committed: bool = False
+    children: list[int] = field(default_factory=list)
+
+
+class NodeTable:
+    def __init__(self) -> None:
+        self.nodes: dict[int, Node] = {}
+        self.pending_commit: set[int] = set()
+        self.tombstones: set[int] = set()
+        self.tip_position = -1   # position of the deepest committed node held
+
+    # -- data plane ---------------------------------------------------------------------------------
+    def admit(self, node_id: int, parent_id: int, position: int) -> Admit:
+        """Check one incoming row and, if it is live, hold it. Raises ProtocolError on bad input."""
+        if node_id < 0:
+            raise ProtocolError(f"node id {node_id} is negative")
+        if node_id in self.nodes:
+            raise ProtocolError(f"node {node_id} is already held")
+        if node_id in self.tombstones:
+            return Admit.DROP
+        if parent_id in self.tombstones:
+            self.tombstones.add(node_id)
+            return Admit.DROP
+        if parent_id == -1:
+            if position != 0:
+                raise ProtocolError(f"root node {node_id} must have position 0, not {position}")
+            if any(n.parent == -1 for n in self.nodes.values()):
+                raise ProtocolError(f"node {node_id} is a second root")
+        else:
+            parent = self.nodes.get(parent_id)
+            if parent is None:
+                raise ProtocolError(f"node {node_id} has unknown parent {parent_id}")
+            if position != parent.position + 1:
+                raise ProtocolError(
+                    f"node {node_id} has position {position}, its parent {parent_id} has {parent.position}")
+        committed = node_id in self.pending_commit
+        if not committed and self._anchor_position(parent_id) < self.tip_position:
+            self.tombstones.add(node_id)
+            return Admit.DROP
+        self.pending_commit.discard(node_id)
+        self.nodes[node_id] = Node(parent_id, position, committed)
+        if parent_id != -1:
+            self.nodes[parent_id].children.append(node_id)
+        if committed:
+            self.tip_position = max(self.tip_position, position)
+        return Admit.OK
+
+    def visible(self, node_id: int) -> tuple[int, list[int]]:
+        """What a held node attends to: (p, uncommitted) = every committed node with position <= p, plus
+        the uncommitted nodes on its path to the root (itself included when uncommitted)."""
+        path: list[int] = []
+        cur = node_id
+        while cur != -1:
+            node = self.nodes[cur]
+            if node.committed:
+                return node.position, path
+            path.append(cur)
+            cur = node.parent
+        return -1, path
+
+    # -- control plane ------------------------------------------------------------------------------
+    def commit(self, ids: list[int]) -> None:
+        for node_id in ids:
+            node = self.nodes.get(node_id)
+            if node is None:
+                if node_id in self.tombstones:
+                    raise ProtocolError(f"cannot commit pruned node {node_id}")
+                self.pending_commit.add(node_id)
+                continue
+            node.committed = True
+            self.tip_position = max(self.tip_position, node.position)
+
+    def prune(self, ids: list[int]) -> list[int]:
+        """Kill nodes and their held subtrees; return the held node ids that were freed."""
+        freed: list[int] = []
+        stack = list(ids)
+        while stack:
+            node_id = stack.pop()
+            if node_id in self.tombstones:
+                continue
+            node = self.nodes.get(node_id)
+            if node is not None and node.committed:
+                raise ProtocolError(f"cannot prune committed node {node_id}")
+            self.tombstones.add(node_id)
+            self.pending_commit.discard(node_id)
+            if node is None:
+                continue
+            del self.nodes[node_id]
+            freed.append(node_id)
+            stack.extend(node.children)
+            if node.parent in self.nodes:
+                self.nodes[node.parent].children.remove(node_id)
+        return freed
+
+    # -- queries ------------------------------------------------------------------------------------
+    def _anchor_position(self, parent_id: int) -> int:
+        """Position of the deepest committed ancestor of a new child of parent_id (-1 if none)."""
+        return self.visible(parent_id)[0] if parent_id != -1 else -1
+
+    @property
+    def committed_count(self) -> int:
+        return sum(1 for n in self.nodes.values() if n.committed)
+
+    @property
+    def live_count(self) -> int:
+        return len(self.nodes) - self.committed_count

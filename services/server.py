@@ -1,0 +1,65 @@
+"""The stage process: `specpipe stage ...` (or `python -m services.server ...`)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from pathlib import Path
+
+import torch
+
+from protos import stage_pb2, stage_pb2_grpc
+from services.config import MiB, StageConfig
+from services.grpc_server import Server
+from services.logs import configure, get_logger
+from services.model.loader import resolve_model, stderr_log
+from services.model.shard import even_split, load_shard
+from services.runner import StageRunner
+from services.servicer import StageServicer
+
+SERVICE_NAME = stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name
+
+
+def build_runner(config: StageConfig) -> tuple[StageRunner, str]:
+    torch.set_num_threads(config.threads)
+    model_ref = resolve_model(config.model, log=stderr_log)
+    first, last = config.first_layer, config.last_layer
+    if first < 0:
+        from transformers import AutoConfig
+        num_layers = AutoConfig.from_pretrained(model_ref).num_hidden_layers
+        first, last = even_split(num_layers, config.num_stages)[config.stage]
+    shard = load_shard(model_ref, first, last, config.torch_dtype, config.device)
+    return StageRunner(shard, config.stage), model_ref
+
+
+async def serve(config: StageConfig) -> None:
+    log = get_logger("specpipe.stage")
+    runner, model_ref = build_runner(config)
+    servicer = StageServicer(runner, config, model_name=Path(model_ref).name)
+    server = Server([SERVICE_NAME], config.max_message_mb * MiB)
+    stage_pb2_grpc.add_StageServicer_to_server(servicer, server.server)
+    port = server.bind(config.host, config.port)
+    servicer.start()
+    await server.start()
+    log.info("stage serving", stage=config.stage, layers=f"{runner.shard.first}:{runner.shard.last}",
+             port=port, next_hop=config.next_hop or "coordinator", dtype=config.dtype, device=config.device,
+             stage_time_ms=config.stage_time_ms)
+    if config.port_file:
+        tmp = f"{config.port_file}.tmp"
+        with open(tmp, "w") as f:
+            f.write(str(port))
+        os.replace(tmp, config.port_file)
+    await server.serve_until_signal(config.grace_s, on_stop=servicer.close)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specpipe stage", description="Serve one pipeline stage.")
+    StageConfig.add_arguments(parser)
+    args = parser.parse_args(argv)
+    configure()
+    asyncio.run(serve(StageConfig.from_args(args)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,186 @@
+"""The Stage gRPC servicer: translates proto <-> StageRunner and moves micro-batches between hops.
+
+Ownership: the StageRunner (and through it the KVCache) is touched only under `self._state`; compute runs
+in a worker thread so control messages keep flowing while a step computes. `self._busy` serialises steps
+(compute plus the emulated stage time), as one GPU would.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from protos import stage_pb2, stage_pb2_grpc
+from services.batch import MicroBatch, Segment
+from services.codec import CodecError
+from services.config import StageConfig
+from services.grpc_server import channel_options
+from services.logs import get_logger
+from services.nodes import ProtocolError
+from services.runner import BatchError, StageRunner
+from services.wire import batch_from_proto, batch_to_proto, control_from_proto
+
+log = get_logger(__name__)
+_END = object()
+
+
+class StageServicer(stage_pb2_grpc.StageServicer):
+    def __init__(self, runner: StageRunner, config: StageConfig, model_name: str = "") -> None:
+        self.runner = runner
+        self.config = config
+        self.model_name = model_name
+        self._state = asyncio.Lock()
+        self._busy = asyncio.Lock()
+        self._outbox: asyncio.Queue = asyncio.Queue()
+        self._subscriber: asyncio.Queue | None = None
+        self._next_hop = config.next_hop
+        self._sender: asyncio.Task | None = None
+        self._channel: grpc.aio.Channel | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._sender = asyncio.create_task(self._send_loop())
+
+    async def close(self) -> None:
+        if self._sender is not None:
+            await self._outbox.put(_END)
+            try:
+                await asyncio.wait_for(self._sender, timeout=5)
+            except asyncio.TimeoutError:
+                self._sender.cancel()
+        if self._subscriber is not None:
+            self._subscriber.put_nowait(_END)
+        if self._channel is not None:
+            await self._channel.close()
+
+    # -- data plane ---------------------------------------------------------------------------------
+    async def Forward(self, request_iterator, context):
+        count = 0
+        async for msg in request_iterator:
+            out = await self._process(msg)
+            await self._outbox.put(out)
+            count += 1
+        return stage_pb2.ForwardSummary(batches=count)
+
+    async def _process(self, msg: stage_pb2.MicroBatch) -> stage_pb2.MicroBatch:
+        a_ms, b_ms = self.config.stage_time
+        async with self._busy:
+            started = time.perf_counter()
+            try:
+                batch = batch_from_proto(msg, self.runner.shard.device)
+                async with self._state:
+                    out = await asyncio.to_thread(self.runner.step, batch)
+            except (CodecError, BatchError) as e:
+                log.warning("micro-batch rejected", batch_id=msg.batch_id, error=str(e))
+                return _rejected(msg, str(e), self.config.stage)
+            if a_ms or b_ms:
+                rows = out.trace[-1].rows_computed
+                remaining = (a_ms + b_ms * rows) / 1e3 - (time.perf_counter() - started)
+                if remaining > 0:
+                    await asyncio.sleep(remaining)
+                out.trace[-1].wait_ms = max(0.0, remaining * 1e3)
+            return await asyncio.to_thread(batch_to_proto, out)
+
+    async def _send_loop(self) -> None:
+        """Deliver outputs in order: to the next hop's Forward stream, or to the Results subscriber."""
+        call = None
+        while True:
+            msg = await self._outbox.get()
+            if msg is _END:
+                break
+            if not self._next_hop:
+                if self._subscriber is None:
+                    log.warning("result dropped: no Results subscriber", batch_id=msg.batch_id)
+                else:
+                    self._subscriber.put_nowait(msg)
+                continue
+            for attempt in range(2):
+                try:
+                    if call is None:
+                        call = self._open_forward()
+                    await call.write(msg)
+                    break
+                except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as e:
+                    log.warning("forward to next hop failed", next_hop=self._next_hop, attempt=attempt,
+                                error=str(e))
+                    call = None
+        if call is not None:
+            try:
+                await call.done_writing()
+                await call
+            except grpc.aio.AioRpcError:
+                pass
+
+    def _open_forward(self):
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(
+                self._next_hop, options=channel_options(self.config.max_message_mb * 1024 * 1024))
+        return stage_pb2_grpc.StageStub(self._channel).Forward(wait_for_ready=True)
+
+    async def Results(self, request, context):
+        if self._next_hop:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"stage {self.config.stage} is not the last stage; results come from the last one")
+        if self._subscriber is not None:
+            self._subscriber.put_nowait(_END)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._subscriber = queue
+        await context.send_initial_metadata(())    # tells the subscriber it is registered
+        log.info("results subscriber connected", peer=context.peer())
+        try:
+            while True:
+                msg = await queue.get()
+                if msg is _END:
+                    return
+                yield msg
+        finally:
+            if self._subscriber is queue:
+                self._subscriber = None
+
+    # -- control plane ------------------------------------------------------------------------------
+    async def Control(self, request_iterator, context):
+        count = 0
+        async for msg in request_iterator:
+            control = control_from_proto(msg)
+            async with self._state:
+                try:
+                    self.runner.apply(control)
+                except ProtocolError as e:
+                    log.warning("control message rejected", request_id=control.request_id, error=str(e))
+            count += 1
+        return stage_pb2.ControlSummary(messages=count)
+
+    async def Info(self, request, context):
+        r, shard, cache = self.runner, self.runner.shard, self.runner.cache
+        async with self._state:
+            info = stage_pb2.StageInfo(
+                stage=self.config.stage, num_stages=self.config.num_stages, first_layer=shard.first,
+                last_layer=shard.last, num_layers_total=shard.total_layers, model=self.model_name,
+                dtype=str(shard.dtype).removeprefix("torch."), device=str(shard.device),
+                vocab_size=shard.vocab_size, hidden_size=shard.hidden_size,
+                max_position=shard.config.max_position_embeddings, active_requests=len(cache.requests),
+                kv_bytes=cache.nbytes(), next_hop=self._next_hop, batches=r.counters.batches,
+                rows_computed=r.counters.rows_computed, rows_dropped=r.counters.rows_dropped)
+            for rid, kv in cache.requests.items():
+                if request.request_id and rid != request.request_id:
+                    continue
+                info.requests.add(request_id=rid, committed=kv.table.committed_count, live=kv.table.live_count,
+                                  node_ids=sorted(kv.slot_of), tombstones=len(kv.table.tombstones))
+        return info
+
+
+def _rejected(msg: stage_pb2.MicroBatch, error: str, stage: int) -> stage_pb2.MicroBatch:
+    """The same micro-batch with every segment turned into an error (no rows, no tensors)."""
+    code = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    out = stage_pb2.MicroBatch(batch_id=msg.batch_id, return_logprobs=msg.return_logprobs)
+    out.trace.extend(msg.trace)
+    for s in msg.segments:
+        f = s if s.error else Segment.failed(s.request_id, error, code, stage)
+        out.segments.add(request_id=f.request_id, error=f.error, error_code=f.error_code,
+                         error_stage=f.error_stage)
+    return out
+
+
+# re-exported for typing convenience
+__all__ = ["StageServicer", "MicroBatch"]

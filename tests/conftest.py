@@ -1,0 +1,39 @@
+"""Shared fixtures: tiny random Llama models built in the test (never downloads)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("SPECPIPE_LOG_FORMAT", "console")
+
+
+def make_tiny_llama(path: Path, layers: int = 4, vocab: int = 256, seed: int = 0) -> Path:
+    """A random-initialised Llama with peaked logits (init std 0.2, so greedy ties do not happen) and a
+    byte-level tokenizer-free config; saved as a Hugging Face folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         rope_theta=10000.0, initializer_range=0.2, tie_word_embeddings=False,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama4")
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tiny_model):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
