@@ -28,13 +28,13 @@ class TextStream:
             return "", True
         self.ids.extend(token_ids)
         text = self.decode(self.ids)
-        for stop in self.stops:
-            i = text.find(stop, max(0, self.sent - len(stop) + 1))
-            if i != -1:
-                self.stopped = True
-                out = text[self.sent:i] if i > self.sent else ""
-                self.sent = max(self.sent, i)
-                return out, True
+        hits = [i for stop in self.stops if (i := text.find(stop, max(0, self.sent - len(stop) + 1))) != -1]
+        if hits:                                              # the earliest stop string wins
+            i = min(hits)
+            self.stopped = True
+            out = text[self.sent:i] if i > self.sent else ""
+            self.sent = max(self.sent, i)
+            return out, True
         end = len(text)
         while end > self.sent and text[end - 1] == "\ufffd":    # incomplete multi-byte character
             end -= 1

@@ -54,7 +54,7 @@ class StageRunner:
             kv.prune(msg.prune)
 
     # -- data plane ---------------------------------------------------------------------------------
-    @torch.inference_mode()
+    @torch.no_grad()
     def step(self, batch: MicroBatch) -> MicroBatch:
         started = time.perf_counter()
         shard = self.shard

@@ -73,7 +73,7 @@ class LlamaShard(nn.Module):
             raise RuntimeError("only the last stage has the LM head")
         return self.lm_head(self.norm(hidden)).float()
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, plans: list[AttendPlan]) -> torch.Tensor:
         """Run the local layers. hidden: [rows, hidden]; positions: [rows] int64. Writes each row's K/V into
         its slot, then attends per request under its mask. Returns [rows, hidden]."""

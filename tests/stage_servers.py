@@ -1,0 +1,39 @@
+"""In-process stage servers on 127.0.0.1 (same event loop as the test) for fast gRPC tests."""
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from protos import stage_pb2_grpc
+from services.config import MiB, StageConfig
+from services.grpc_server import Server
+from services.server import SERVICE_NAME, build_runner
+from services.servicer import StageServicer
+
+from coordinator.local import free_port
+
+
+@asynccontextmanager
+async def stage_servers(model: str, num_stages: int, stage_time_ms: str = "0"):
+    """Yield (addresses, servicers) of num_stages stages serving `model`, wired into a pipeline."""
+    ports = [free_port() for _ in range(num_stages)]
+    addresses = [f"127.0.0.1:{p}" for p in ports]
+    servers, servicers = [], []
+    try:
+        for i, port in enumerate(ports):
+            config = StageConfig(model=model, stage=i, num_stages=num_stages, port=port,
+                                 next_hop=addresses[i + 1] if i + 1 < num_stages else "",
+                                 stage_time_ms=stage_time_ms)
+            runner, _ = build_runner(config)
+            servicer = StageServicer(runner, config, model_name="test")
+            server = Server([SERVICE_NAME], config.max_message_mb * MiB)
+            stage_pb2_grpc.add_StageServicer_to_server(servicer, server.server)
+            server.bind(config.host, port)
+            servicer.start()
+            await server.start()
+            servers.append(server)
+            servicers.append(servicer)
+        yield addresses, servicers
+    finally:
+        for server, servicer in zip(servers, servicers):
+            await server.stop(0)
+            await servicer.close()

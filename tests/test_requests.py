@@ -1,0 +1,79 @@
+"""Unit tests for coordinator/requests.py: request validation against model and server limits."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from coordinator.requests import InvalidRequest, Limits, Params, check
+
+LIMITS = Limits(vocab_size=100, max_position=50, default_max_new_tokens=10, max_new_tokens_cap=32)
+METHODS = ["greedy", "spec"]
+
+
+def call(**overrides: Any) -> Params:
+    args: dict[str, Any] = dict(prompt_ids=[1, 2, 3], max_new_tokens=5, method="greedy", methods=METHODS,
+                                temperature=0.0, top_p=1.0, top_k=0, stop=[], ignore_eos=False,
+                                limits=LIMITS)
+    args.update(overrides)
+    return check(**args)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(prompt_ids=[]), "empty prompt"),
+    (dict(prompt_ids=[5, 100]), r"token id 100 is outside the vocabulary \[0, 100\)"),
+    (dict(prompt_ids=[99, 1000]), "token id 1000 is outside"),
+    (dict(prompt_ids=[-1, 3]), "token id -1 is outside"),
+    (dict(max_new_tokens=0), "max_new_tokens must be at least 1, got 0"),
+    (dict(max_new_tokens=-4), "at least 1, got -4"),
+    (dict(max_new_tokens=33), "max_new_tokens 33 is above this server's cap of 32"),
+    (dict(prompt_ids=[1] * 40, max_new_tokens=11),
+     r"prompt \(40 tokens\) plus max_new_tokens \(11\) exceeds the model's context of 50"),
+    (dict(prompt_ids=[1] * 41, max_new_tokens=None), r"prompt \(41 tokens\) plus max_new_tokens \(10\)"),
+    (dict(method="beam"), "unknown method 'beam'; available: greedy, spec"),
+    (dict(methods=[]), "unknown method 'greedy'"),
+    (dict(temperature=-0.5), "temperature must be >= 0"),
+    (dict(top_p=1.01), r"top_p in \[0, 1\]"),
+    (dict(top_p=-0.1), r"top_p in \[0, 1\]"),
+    (dict(top_k=-1), "top_k >= 0"),
+    (dict(temperature=0.7), r"sampling \(temperature > 0\) is not supported"),
+    (dict(stop=["s"] * 17), "at most 16 stop strings"),
+    (dict(stop=["ok", "x" * 257]), "at most 256 characters"),
+])
+def test_rejections(overrides: dict[str, Any], match: str) -> None:
+    with pytest.raises(InvalidRequest, match=match):
+        call(**overrides)
+
+
+def test_invalid_request_is_value_error() -> None:
+    assert issubclass(InvalidRequest, ValueError)
+
+
+def test_valid_request_defaults_applied() -> None:
+    p = call(max_new_tokens=None, method="spec", stop=["x", "", "yz"], ignore_eos=True)
+    assert p == Params(prompt_ids=[1, 2, 3], max_new_tokens=10, method="spec", stop=("x", "yz"),
+                       ignore_eos=True)
+
+
+def test_valid_request_explicit_max_new_tokens() -> None:
+    p = call(max_new_tokens=7)
+    assert p.max_new_tokens == 7 and p.stop == () and p.ignore_eos is False and p.method == "greedy"
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(prompt_ids=[0, 99]),                                # vocab edges
+    dict(max_new_tokens=1),
+    dict(max_new_tokens=32, prompt_ids=[1] * 18),           # cap and context both exactly reached
+    dict(prompt_ids=[1] * 40, max_new_tokens=None),         # 40 + default 10 == 50
+    dict(top_p=0.0, top_k=0), dict(top_p=1.0, top_k=50),
+    dict(stop=["s"] * 16), dict(stop=["x" * 256]),
+])
+def test_boundaries_accepted(overrides: dict[str, Any]) -> None:
+    assert isinstance(call(**overrides), Params)
+
+
+def test_prompt_ids_copied() -> None:
+    prompt = [4, 5]
+    p = call(prompt_ids=prompt)
+    prompt.append(6)
+    assert p.prompt_ids == [4, 5]

@@ -1,0 +1,132 @@
+"""The stage service over real gRPC: malformed input is refused per request, the stage stays up."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import torch
+
+from protos import common_pb2, stage_pb2, stage_pb2_grpc
+from services.batch import Control, MicroBatch, Segment
+from services.wire import batch_to_proto, control_to_proto
+from stage_servers import stage_servers
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+
+
+class Pipe:
+    """A raw client of a stage pipeline: Forward into stage 0, Results from the last, Control to all."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        self.channels = [grpc.aio.insecure_channel(a) for a in addresses]
+        self.stubs = [stage_pb2_grpc.StageStub(c) for c in self.channels]
+
+    async def __aenter__(self) -> "Pipe":
+        self.results = self.stubs[-1].Results(stage_pb2.ResultsRequest())
+        await self.results.initial_metadata()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.results.cancel()
+        for c in self.channels:
+            await c.close()
+
+    async def send(self, msg: stage_pb2.MicroBatch, stage: int = 0) -> stage_pb2.MicroBatch:
+        call = self.stubs[stage].Forward()
+        await call.write(msg)
+        await call.done_writing()
+        await call
+        return await asyncio.wait_for(self.results.read(), timeout=30)
+
+    async def control(self, *msgs: Control) -> None:
+        for stub in self.stubs:
+            call = stub.Control()
+            for m in msgs:
+                await call.write(control_to_proto(m))
+            await call.done_writing()
+            await call
+
+
+def prefill(rid: str, tokens: list[int]) -> stage_pb2.MicroBatch:
+    n = len(tokens)
+    seg = Segment(rid, list(range(n)), [-1] + list(range(n - 1)), list(range(n)), tokens, [False] * (n - 1) + [True])
+    return batch_to_proto(MicroBatch(1, [seg]))
+
+
+async def test_info_health_and_a_good_batch(tiny_model):
+    async with stage_servers(str(tiny_model), 2) as (addrs, _):
+        async with Pipe(addrs) as pipe:
+            info = await pipe.stubs[1].Info(stage_pb2.InfoRequest())
+            assert (info.first_layer, info.last_layer, info.num_layers_total) == (2, 4, 4)
+            out = await pipe.send(prefill("ok", [5, 6, 7]))
+            assert len(out.argmax) == 1 and not out.segments[0].error
+            assert [t.stage for t in out.trace] == [0, 1]
+
+
+async def test_malformed_input_gets_invalid_argument_and_stage_stays_up(tiny_model):
+    async with stage_servers(str(tiny_model), 2) as (addrs, _):
+        async with Pipe(addrs) as pipe:
+            # unknown parent
+            bad = batch_to_proto(MicroBatch(2, [Segment("a", [3], [99], [1], [5], [True])]))
+            out = await pipe.send(bad)
+            assert out.segments[0].error_code == INVALID and "unknown parent 99" in out.segments[0].error
+            # token id outside the vocabulary
+            out = await pipe.send(prefill("b", [5, 100000]))
+            assert out.segments[0].error_code == INVALID and "vocabulary" in out.segments[0].error
+            # fields of different lengths
+            bad = stage_pb2.MicroBatch(batch_id=3)
+            bad.segments.add(request_id="c", node_ids=[0, 1], parent_ids=[-1], positions=[0, 1],
+                             token_ids=[5, 6], want_output=[True, True])
+            out = await pipe.send(bad)
+            assert out.segments[0].error_code == INVALID
+            # hidden states of the wrong dtype, wrong shape, and undecodable bytes, straight into stage 1
+            seg = Segment("d", [0], [-1], [0], [5], [True])
+            for hidden in (torch.zeros(1, 64, dtype=torch.float16), torch.zeros(2, 64), torch.zeros(1, 63)):
+                out = await pipe.send(batch_to_proto(MicroBatch(4, [seg], hidden=hidden)), stage=1)
+                assert out.segments[0].error_code == INVALID, hidden.shape
+            msg = batch_to_proto(MicroBatch(5, [seg]))
+            msg.hidden.CopyFrom(common_pb2.Tensor(dtype="float32", shape=[1, 64], data=b"\x00" * 7))
+            out = await pipe.send(msg, stage=1)
+            assert out.segments[0].error_code == INVALID and "bytes" in out.segments[0].error
+            msg.hidden.CopyFrom(common_pb2.Tensor(dtype="complex999", shape=[1], data=b""))
+            out = await pipe.send(msg, stage=1)
+            assert "dtype" in out.segments[0].error
+            # still serving, and no state left for the rejected requests
+            out = await pipe.send(prefill("fine", [5, 6]))
+            assert len(out.argmax) == 1
+            info = await pipe.stubs[0].Info(stage_pb2.InfoRequest())
+            assert {r.request_id for r in info.requests} == {"fine"}
+
+
+async def test_prune_frees_kv_and_drops_rows_not_yet_computed(tiny_model):
+    async with stage_servers(str(tiny_model), 2) as (addrs, _):
+        async with Pipe(addrs) as pipe:
+            await pipe.control(Control("t", commit=[0, 1, 2]))
+            await pipe.send(prefill("t", [5, 6, 7]))
+            tree = Segment("t", [3, 4], [2, 2], [3, 3], [8, 9], [True, True])
+            await pipe.send(batch_to_proto(MicroBatch(2, [tree])))
+            # prune node 3 before its child 5 arrives: 5 is dropped at stage 0, never computed
+            await pipe.control(Control("t", prune=[3]))
+            out = await pipe.send(batch_to_proto(MicroBatch(3, [Segment("t", [5, 6], [3, 4], [4, 4], [1, 1],
+                                                                             [True, True])])))
+            assert list(out.segments[0].node_ids) == [6] and len(out.argmax) == 1
+            assert out.trace[0].rows_in == 2 and out.trace[0].rows_computed == 1
+            for stub in pipe.stubs:
+                info = await stub.Info(stage_pb2.InfoRequest(request_id="t"))
+                assert sorted(info.requests[0].node_ids) == [0, 1, 2, 4, 6]
+            await pipe.control(Control("t", release=True))
+            for stub in pipe.stubs:
+                info = await stub.Info(stage_pb2.InfoRequest())
+                assert info.active_requests == 0 and info.kv_bytes == 0
+
+
+async def test_results_only_on_the_last_stage(tiny_model):
+    async with stage_servers(str(tiny_model), 2) as (addrs, _):
+        async with grpc.aio.insecure_channel(addrs[0]) as ch:
+            call = stage_pb2_grpc.StageStub(ch).Results(stage_pb2.ResultsRequest())
+            try:
+                await call.read()
+                raise AssertionError("expected FAILED_PRECONDITION")
+            except grpc.aio.AioRpcError as e:
+                assert e.code() == grpc.StatusCode.FAILED_PRECONDITION
+
