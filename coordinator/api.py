@@ -1,7 +1,10 @@
 """The public gRPC API: specpipe.v1.Generation/Generate. Translates proto <-> Coordinator only."""
 from __future__ import annotations
 
+import uuid
+
 import grpc
+import structlog
 
 from protos import generation_pb2, generation_pb2_grpc
 from services.logs import get_logger
@@ -18,11 +21,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.coordinator = coordinator
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context):
+        rid = uuid.uuid4().hex[:16]
+        structlog.contextvars.bind_contextvars(request_id=rid)     # this RPC's task only
         inp = GenerateInput(
             prompt=request.prompt, prompt_token_ids=list(request.prompt_token_ids), raw=request.raw,
             max_new_tokens=request.max_new_tokens if request.HasField("max_new_tokens") else None,
             method=request.method, temperature=request.temperature, top_p=request.top_p or 1.0,
-            top_k=request.top_k, seed=request.seed, stop=list(request.stop), ignore_eos=request.ignore_eos)
+            top_k=request.top_k, seed=request.seed, stop=list(request.stop), ignore_eos=request.ignore_eos,
+            request_id=rid)
         try:
             async for chunk in self.coordinator.generate(inp):
                 yield to_proto(chunk)

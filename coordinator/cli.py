@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 import time
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         from coordinator.server import main as coordinator_main
         return coordinator_main(argv[1:])
     args = build_parser().parse_args(argv)
-    configure()
+    # one-shot commands keep the terminal for the text; `local` shows its service logs
+    configure(level=None if args.command == "local" or os.environ.get("SPECPIPE_LOG_LEVEL") else "warning")
     try:
         if args.command == "run":
             return asyncio.run(cmd_run(args))

@@ -35,6 +35,7 @@ class GenerateInput:
     seed: int = 0
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    request_id: str = ""          # chosen by the caller (the API binds it to its logs) or generated
 
 
 @dataclass
@@ -97,7 +98,8 @@ class Coordinator:
         params = self.prepare(inp)
         eos = frozenset() if params.ignore_eos else self.eos_ids
         try:
-            rid, events = self.engine.submit(params.prompt_ids, params.max_new_tokens, params.method, eos)
+            rid, events = self.engine.submit(params.prompt_ids, params.max_new_tokens, params.method, eos,
+                                             request_id=inp.request_id)
         except RuntimeError as e:
             raise GenerationFailed(str(e), code=14) from None
         text = TextStream(self.encoder.decode, params.stop)
@@ -119,6 +121,9 @@ class Coordinator:
                     raise GenerationFailed(fin.error, fin.error_code or 13)
                 reason = "stop" if text.stopped else fin.reason
                 stats = dict(fin.stats, prompt_tokens=len(params.prompt_ids))
+                log.info("request finished", request_id=rid, method=params.method, reason=reason,
+                         tokens=int(stats.get("tokens", 0)), steps=int(stats.get("steps", 0)),
+                         tbt_ms=round(stats.get("tbt_ms", 0.0), 2), ttft_ms=round(stats.get("ttft_ms", 0.0), 1))
                 yield Chunk([], text.flush(), reason, stats, request_id=rid)
                 return
         finally:

@@ -37,6 +37,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self._next_hop = config.next_hop
         self._sender: asyncio.Task | None = None
         self._channel: grpc.aio.Channel | None = None
+        self.log = log.bind(stage=config.stage)
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -72,7 +73,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 async with self._state:
                     out = await asyncio.to_thread(self.runner.step, batch)
             except (CodecError, BatchError) as e:
-                log.warning("micro-batch rejected", batch_id=msg.batch_id, error=str(e))
+                self.log.warning("micro-batch rejected", batch_id=msg.batch_id, error=str(e))
                 return _rejected(msg, str(e), self.config.stage)
             if a_ms or b_ms:
                 rows = out.trace[-1].rows_computed
@@ -91,7 +92,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 break
             if not self._next_hop:
                 if self._subscriber is None:
-                    log.warning("result dropped: no Results subscriber", batch_id=msg.batch_id)
+                    self.log.warning("result dropped: no Results subscriber", batch_id=msg.batch_id)
                 else:
                     self._subscriber.put_nowait(msg)
                 continue
@@ -102,7 +103,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     await call.write(msg)
                     break
                 except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as e:
-                    log.warning("forward to next hop failed", next_hop=self._next_hop, attempt=attempt,
+                    self.log.warning("forward to next hop failed", next_hop=self._next_hop, attempt=attempt,
                                 error=str(e))
                     call = None
         if call is not None:
@@ -127,7 +128,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         queue: asyncio.Queue = asyncio.Queue()
         self._subscriber = queue
         await context.send_initial_metadata(())    # tells the subscriber it is registered
-        log.info("results subscriber connected", peer=context.peer())
+        self.log.info("results subscriber connected", peer=context.peer())
         try:
             while True:
                 msg = await queue.get()
@@ -147,7 +148,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 try:
                     self.runner.apply(control)
                 except ProtocolError as e:
-                    log.warning("control message rejected", request_id=control.request_id, error=str(e))
+                    self.log.warning("control message rejected", request_id=control.request_id, error=str(e))
             count += 1
         return stage_pb2.ControlSummary(messages=count)
 

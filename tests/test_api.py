@@ -111,3 +111,12 @@ async def test_grpcurl_reflection_health_and_generate(api):
     objs = list(json_stream(gen.stdout))      # grpcurl prints one JSON object per streamed message
     assert sum(len(o.get("token_ids", [])) for o in objs) == 3
     assert objs[-1]["finish_reason"] == "length"
+
+
+async def test_logs_carry_the_request_id(api):
+    from structlog.testing import capture_logs
+    with capture_logs() as logs:
+        msgs = await api.generate(prompt_token_ids=[7, 8], max_new_tokens=2, ignore_eos=True)
+    finished = [e for e in logs if e["event"] == "request finished"]
+    assert len(finished) == 1
+    assert finished[0]["request_id"] == msgs[-1].request_id and finished[0]["tokens"] == 2
