@@ -9,11 +9,13 @@ import signal
 import sys
 import time
 
+from coordinator.config import add_spec_arguments, spec_kwargs
 from services.logs import configure
 
 EXAMPLES = """examples:
   specpipe run "What is the capital of France?" --stages 4
   specpipe run "def fib(n):" --raw --method pp --max-new-tokens 32 --json
+  specpipe run "Write a haiku." --stages 8 --draft quant --width 16 --tree-policy best-first --stage-time-ms 120
   specpipe local --stages 4 --port 50051          # then, in another shell:
   specpipe generate "Hello!" --addr 127.0.0.1:50051
 """
@@ -21,7 +23,7 @@ EXAMPLES = """examples:
 
 def _generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="prompt text")
-    p.add_argument("--method", default="", help="pp (more methods arrive with later releases)")
+    p.add_argument("--method", default="", help="pp or specpipe (default: the server's, specpipe)")
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -43,6 +45,7 @@ def _pipeline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     p.add_argument("--threads", type=int, default=1, help="torch threads per stage")
     p.add_argument("--stage-time-ms", default="0", help="emulated stage time A or A+B ms (per step + per row)")
+    add_spec_arguments(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     _pipeline_args(p)
     p.add_argument("--port", type=int, default=50051, help="coordinator port")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--method", default="pp", help="default method")
+    p.add_argument("--method", default="specpipe", help="default method")
     p = sub.add_parser("generate", help="stream a generation from a running coordinator")
     _generation_args(p)
     p.add_argument("--addr", default="127.0.0.1:50051", help="coordinator HOST:PORT")
@@ -126,8 +129,8 @@ async def cmd_run(args) -> int:
     model, stages = await _start_local(args)
     coordinator = None
     try:
-        config = CoordinatorConfig(stages=tuple(stages.addresses), model=model, method=args.method or "pp",
-                                   max_new_tokens_cap=1 << 20)
+        config = CoordinatorConfig(stages=tuple(stages.addresses), model=model, method=args.method or "specpipe",
+                                   max_new_tokens_cap=1 << 20, **spec_kwargs(args))
         coordinator = await Coordinator.connect(config)
         started = time.perf_counter()
         text, ids, last = [], [], None
@@ -139,8 +142,7 @@ async def cmd_run(args) -> int:
             last = chunk
         wall = time.perf_counter() - started
         stats = last.stats or {}
-        result = {"text": "".join(text), "token_ids": ids, "method": config.method if not args.method
-                  else args.method, "stages": args.stages, "finish_reason": last.finish_reason,
+        result = {"text": "".join(text), "token_ids": ids, "method": config.method, "stages": args.stages, "finish_reason": last.finish_reason,
                   "steps": int(stats.get("steps", 0)), "tokens_per_step": stats.get("tokens_per_step", 0.0),
                   "tbt_ms": stats.get("tbt_ms", 0.0), "ttft_ms": stats.get("ttft_ms", 0.0),
                   "prompt_tokens": int(stats.get("prompt_tokens", 0)), "wall_s": wall,
@@ -172,7 +174,7 @@ async def cmd_local(args) -> int:
     server = coordinator = None
     try:
         config = CoordinatorConfig(stages=tuple(stages.addresses), model=model, host=args.host,
-                                   port=args.port, method=args.method)
+                                   port=args.port, method=args.method, **spec_kwargs(args))
         server, coordinator = await start(config)
         print(f"specpipe: serving {args.stages} stage(s) at {args.host}:{server.port} "
               f"(specpipe.v1.Generation); Ctrl-C stops", file=sys.stderr, flush=True)

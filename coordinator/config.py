@@ -12,7 +12,14 @@ class CoordinatorConfig:
     model: str = "default"               # for the tokenizer and chat template; same model as the stages
     host: str = "127.0.0.1"
     port: int = 50051
-    method: str = "pp"                   # default method
+    method: str = "specpipe"             # default method
+    draft: str = "quant"                 # draft source of the speculative methods: quant | model | ngram | none
+    draft_model: str = ""                # HF folder of a separate draft model (draft = model)
+    draft_device: str = "cpu"
+    draft_threads: int = 1               # torch threads of the coordinator (draft compute)
+    width: int = 16                      # nodes per tree layer / per step
+    tree_policy: str = "best-first"      # layer | best-first
+    topk: int = 8                        # children proposed per node
     default_max_new_tokens: int = 128
     max_new_tokens_cap: int = 4096
     grace_s: float = 10.0
@@ -26,6 +33,10 @@ class CoordinatorConfig:
             host, _, port = addr.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"stage address {addr!r} is not HOST:PORT")
+        if self.width < 1 or self.topk < 1 or self.draft_threads < 1:
+            raise ValueError("width, topk and draft_threads must be at least 1")
+        if self.tree_policy not in ("layer", "best-first"):
+            raise ValueError(f"unknown tree policy {self.tree_policy!r}; choose layer or best-first")
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_cap:
             raise ValueError("default_max_new_tokens must be in [1, max_new_tokens_cap]")
 
@@ -38,6 +49,7 @@ class CoordinatorConfig:
         p.add_argument("--port", type=int, default=int(os.environ.get("SPECPIPE_PORT", cls.port)))
         p.add_argument("--method", default=os.environ.get("SPECPIPE_METHOD", cls.method),
                        help="default method for requests that name none")
+        add_spec_arguments(p)
         p.add_argument("--default-max-new-tokens", type=int, default=cls.default_max_new_tokens)
         p.add_argument("--max-new-tokens-cap", type=int, default=cls.max_new_tokens_cap)
         p.add_argument("--grace-s", type=float, default=float(os.environ.get("SPECPIPE_GRACE_S", cls.grace_s)))
@@ -47,10 +59,32 @@ class CoordinatorConfig:
         stages = tuple(s.strip() for s in a.stages.split(",") if s.strip())
         return cls(stages=stages, model=a.model, host=a.host, port=a.port, method=a.method,
                    default_max_new_tokens=a.default_max_new_tokens, max_new_tokens_cap=a.max_new_tokens_cap,
-                   grace_s=a.grace_s)
+                   grace_s=a.grace_s, **spec_kwargs(a))
 
     @classmethod
     def from_env(cls) -> "CoordinatorConfig":
         p = argparse.ArgumentParser()
         cls.add_arguments(p)
         return cls.from_args(p.parse_args([]))
+
+
+def add_spec_arguments(p: argparse.ArgumentParser) -> None:
+    """Speculation options, shared by `specpipe coordinator`, `local` and `run`."""
+    d = CoordinatorConfig
+    p.add_argument("--draft", default=os.environ.get("SPECPIPE_DRAFT", d.draft),
+                   choices=["quant", "model", "ngram", "none"],
+                   help="draft source: int8 copy of the target, a draft model folder, prompt lookup, none")
+    p.add_argument("--draft-model", default=os.environ.get("SPECPIPE_DRAFT_MODEL", d.draft_model),
+                   help="HF folder of the draft model (with --draft model); same tokenizer as the target")
+    p.add_argument("--draft-device", default=os.environ.get("SPECPIPE_DRAFT_DEVICE", d.draft_device))
+    p.add_argument("--draft-threads", type=int, default=d.draft_threads)
+    p.add_argument("--width", type=int, default=int(os.environ.get("SPECPIPE_WIDTH", d.width)),
+                   help="tree nodes injected per step")
+    p.add_argument("--tree-policy", default=os.environ.get("SPECPIPE_TREE_POLICY", d.tree_policy),
+                   choices=["layer", "best-first"])
+    p.add_argument("--topk", type=int, default=d.topk, help="children the draft proposes per node")
+
+
+def spec_kwargs(a: argparse.Namespace) -> dict:
+    return dict(draft=a.draft, draft_model=a.draft_model, draft_device=a.draft_device,
+                draft_threads=a.draft_threads, width=a.width, tree_policy=a.tree_policy, topk=a.topk)

@@ -17,7 +17,7 @@ from services.batch import Control, MicroBatch
 from services.logs import get_logger
 
 from coordinator.schedulers.base import Broadcast, Emit, Finish, Inject, Request, Scheduler
-from coordinator.schedulers.registry import make_scheduler
+from coordinator.schedulers.registry import SpecOptions, make_scheduler
 
 log = get_logger(__name__)
 
@@ -48,15 +48,21 @@ class _Live:
 
 
 class Engine:
-    def __init__(self, transport: Transport, default_method: str = "pp") -> None:
+    """Ownership: the schedulers' state is touched only inside `_call` (under `_lock`, in a worker thread,
+    since a scheduler may run the draft model); the event loop owns `_live` and `_owner`."""
+
+    def __init__(self, transport: Transport, default_method: str = "pp", spec: SpecOptions | None = None) -> None:
         self.transport = transport
         self.default_method = default_method
+        self.spec = spec or SpecOptions()
         self._schedulers: dict[str, Scheduler] = {}
         self._live: dict[str, _Live] = {}
         self._owner: dict[int, tuple[Scheduler, int]] = {}     # wire batch id -> (scheduler, its batch id)
         self._batch_ids = itertools.count(1)
         self._work: asyncio.Queue = asyncio.Queue()
+        self._lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
+        self._background: set[asyncio.Task] = set()
         self.failure: BaseException | None = None
 
     async def start(self) -> None:
@@ -65,6 +71,7 @@ class Engine:
     async def close(self) -> None:
         for rid in list(self._live):
             self.cancel(rid)
+        await asyncio.gather(*self._background, return_exceptions=True)
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -75,32 +82,44 @@ class Engine:
 
     def scheduler(self, method: str) -> Scheduler:
         if method not in self._schedulers:
-            self._schedulers[method] = make_scheduler(method, self.transport.num_stages)
+            self._schedulers[method] = make_scheduler(method, self.transport.num_stages, self.spec)
         return self._schedulers[method]
 
-    def submit(self, prompt_ids: list[int], max_new_tokens: int, method: str = "",
-               eos_ids: frozenset[int] = frozenset(), request_id: str = "") -> tuple[str, asyncio.Queue]:
+    async def submit(self, prompt_ids: list[int], max_new_tokens: int, method: str = "",
+                     eos_ids: frozenset[int] = frozenset(), request_id: str = "") -> tuple[str, asyncio.Queue]:
         """Start a request; returns its id and its event queue. Raises ValueError for bad input and
         RuntimeError when the pipeline has failed."""
         if self.failure is not None:
             raise RuntimeError(f"the pipeline failed: {self.failure}")
         sched = self.scheduler(method or self.default_method)
         rid = request_id or uuid.uuid4().hex[:16]
-        live = _Live(sched, asyncio.Queue(), time.perf_counter())
-        sched.add(Request(rid, list(prompt_ids), max_new_tokens, eos_ids))
-        self._live[rid] = live
-        self._drain(sched)
+        if rid in self._live:
+            raise ValueError(f"request id {rid} is already running")
+        live = self._live[rid] = _Live(sched, asyncio.Queue(), time.perf_counter())
+        try:
+            await self._call(sched, sched.add, Request(rid, list(prompt_ids), max_new_tokens, eos_ids))
+        except BaseException:
+            self._live.pop(rid, None)
+            raise
         return rid, live.events
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        """Stop a request (safe to call from anywhere on the loop, any number of times)."""
         live = self._live.get(request_id)
-        if live is not None:
-            live.scheduler.cancel(request_id, reason)
-            self._drain(live.scheduler)
+        if live is None:
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._call(live.scheduler, live.scheduler.cancel, request_id, reason))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
-    def _drain(self, sched: Scheduler) -> None:
-        for action in sched.poll():
-            self._work.put_nowait((sched, action))
+    async def _call(self, sched: Scheduler, fn, *args):
+        async with self._lock:
+            try:
+                return await asyncio.to_thread(fn, *args)
+            finally:
+                for action in sched.poll():
+                    self._work.put_nowait((sched, action))
 
     async def _execute(self) -> None:
         while True:
@@ -129,8 +148,7 @@ class Engine:
                     continue
                 sched, local_id = owner
                 batch.batch_id = local_id
-                sched.on_result(batch)
-                self._drain(sched)
+                await self._call(sched, sched.on_result, batch)
         except Exception as e:
             log.error("pipeline results failed", error=str(e))
             self._fail_all(e)
@@ -157,8 +175,12 @@ class Engine:
         live.events.put_nowait(("finish", Finished(action.reason, stats, action.error, action.error_code)))
 
     def _fail_all(self, error: BaseException) -> None:
-        self.failure = error
+        """End every client stream with UNAVAILABLE; scheduler state is dropped through cancel."""
+        first = self.failure is None
+        self.failure = self.failure or error
         for rid, live in list(self._live.items()):
-            live.events.put_nowait(("finish", Finished("error", {}, f"pipeline failure: {error}", 14)))
-            live.scheduler.requests.pop(rid, None)
-        self._live.clear()
+            if first:
+                live.events.put_nowait(("finish", Finished("error", {}, f"pipeline failure: {error}", 14)))
+        if first:
+            for rid in list(self._live):
+                self.cancel(rid)

@@ -9,14 +9,17 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import torch
+
 from services.logs import get_logger
 from services.model.loader import resolve_model, stderr_log
 
 from coordinator.config import CoordinatorConfig
+from coordinator.drafts.factory import build_draft
 from coordinator.drivers.grpc import GrpcPipeline
 from coordinator.engine import Engine, Finished
 from coordinator.requests import InvalidRequest, Limits, check
-from coordinator.schedulers.registry import SCHEDULERS
+from coordinator.schedulers.registry import METHODS, SpecOptions
 from coordinator.text import PromptEncoder, TextStream
 
 log = get_logger(__name__)
@@ -68,7 +71,11 @@ class Coordinator:
         tokenizer, eos_ids = await asyncio.to_thread(load_tokenizer, config.model)
         limits = Limits(info.vocab_size, info.max_position, config.default_max_new_tokens,
                         config.max_new_tokens_cap)
-        engine = Engine(pipeline, default_method=config.method)
+        torch.set_num_threads(config.draft_threads)
+        draft = await asyncio.to_thread(build_draft, config.draft, config.model, config.draft_model,
+                                        config.draft_device)
+        spec = SpecOptions(draft, config.width, config.tree_policy, config.topk)
+        engine = Engine(pipeline, default_method=config.method, spec=spec)
         await engine.start()
         log.info("coordinator connected", stages=len(config.stages), vocab=info.vocab_size,
                  context=info.max_position, tokenizer=tokenizer is not None)
@@ -91,15 +98,17 @@ class Coordinator:
                 raise InvalidRequest(str(e)) from None
         else:
             ids = []
-        return check(ids, inp.max_new_tokens, inp.method or self.config.method, list(SCHEDULERS),
+        return check(ids, inp.max_new_tokens, inp.method or self.config.method, list(METHODS),
                      inp.temperature, inp.top_p, inp.top_k, inp.stop, inp.ignore_eos, self.limits)
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[Chunk]:
         params = self.prepare(inp)
         eos = frozenset() if params.ignore_eos else self.eos_ids
         try:
-            rid, events = self.engine.submit(params.prompt_ids, params.max_new_tokens, params.method, eos,
+            rid, events = await self.engine.submit(params.prompt_ids, params.max_new_tokens, params.method, eos,
                                              request_id=inp.request_id)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
         except RuntimeError as e:
             raise GenerationFailed(str(e), code=14) from None
         text = TextStream(self.encoder.decode, params.stop)

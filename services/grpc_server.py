@@ -56,8 +56,13 @@ class Server:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     async def stop(self, grace_s: float) -> None:
+        """Report NOT_SERVING, keep accepting calls for a short notice period (so health checkers and
+        load balancers see it), then stop taking new calls and let running ones finish within grace_s."""
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace_s)
+        notice = min(1.0, grace_s / 4)
+        if notice > 0:
+            await asyncio.sleep(notice)
+        await self.server.stop(max(0.0, grace_s - notice))
 
     async def serve_until_signal(self, grace_s: float,
                                  on_stop: Callable[[], Awaitable[None]] | None = None) -> None:

@@ -51,7 +51,7 @@ async def api(tiny_model):
 
 async def test_generate_streams_exact_tokens_and_stats(api, tiny_hf):
     prompt = [10, 20, 30, 40]
-    msgs = await api.generate(prompt_token_ids=prompt, max_new_tokens=12, ignore_eos=True)
+    msgs = await api.generate(prompt_token_ids=prompt, max_new_tokens=12, ignore_eos=True, method="pp")
     ids = [t for m in msgs for t in m.token_ids]
     assert ids == hf_greedy(tiny_hf, prompt, 12)
     assert len(msgs) == 13                      # one message per committed token, then the final one

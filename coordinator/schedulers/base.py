@@ -107,6 +107,10 @@ class Scheduler(ABC):
             if state is not None:
                 state.in_flight -= 1
                 state.last_step = self._clock
+                if len(request_ids) == 1:       # per-stage row counts are exact for one-request batches
+                    for t in batch.trace:
+                        state.count(f"stage{t.stage}_rows_computed", t.rows_computed)
+                        state.count(f"stage{t.stage}_rows_dropped", t.rows_in - t.rows_computed)
         offset = 0
         for seg in batch.segments:
             n_out = sum(seg.want_output)
@@ -160,9 +164,10 @@ class Scheduler(ABC):
     def _broadcast(self, control: Control) -> None:
         self._actions.append(Broadcast(control))
 
-    def _commit(self, state: RequestState, node_ids: list[int], tokens: list[int]) -> bool:
-        """Commit generated tokens (their nodes), emit them, and finish the request when it is done.
-        Returns True while the request goes on."""
+    def _commit(self, state: RequestState, node_ids: list[int], tokens: list[int],
+                prune: list[int] | tuple[int, ...] = ()) -> bool:
+        """Commit generated tokens (their nodes), emit them, broadcast the commit (with any prunes), and
+        finish the request when it is done. Returns True while the request goes on."""
         limit = state.request.max_new_tokens - len(state.generated)
         node_ids, tokens = node_ids[:limit], tokens[:limit]
         for i, t in enumerate(tokens):
@@ -179,7 +184,7 @@ class Scheduler(ABC):
         if len(state.generated) >= state.request.max_new_tokens:
             self._finish(state, "length")
             return False
-        self._broadcast(Control(state.request.request_id, commit=node_ids))
+        self._broadcast(Control(state.request.request_id, commit=node_ids, prune=list(prune)))
         return True
 
     def _finish(self, state: RequestState, reason: str, error: str = "", error_code: int = 0) -> None:

@@ -1,0 +1,96 @@
+"""Model drafts: a full copy of a small model (or of the target, int8-quantized) run through the same
+StageRunner as the stages, so the draft's KV cache holds nodes and follows commits and prunes.
+
+- `quant`: the target with every Linear dynamically quantized to int8 (CPU; ~3x cheaper there, ~78%
+  greedy agreement with SmolLM2-135M). torch's dynamic quantization has no CUDA kernels, so on a GPU the
+  `quant` draft is a bfloat16 copy of the target instead.
+- `model`: a separate draft model folder (same tokenizer as the target, checked at start).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from services.batch import Control, MicroBatch, Segment
+from services.model.shard import LlamaShard, load_causal_lm
+from services.runner import StageRunner
+
+from coordinator.drafts.base import DraftNode, DraftSource, Proposals
+
+
+class ModelDraft(DraftSource):
+    def __init__(self, model: nn.Module, name: str = "model") -> None:
+        super().__init__()
+        self.name = name
+        self.runner = StageRunner(LlamaShard(model, 0, model.config.num_hidden_layers), stage_index=-1)
+        self.vocab_size = model.config.vocab_size
+        self._batch = 0
+
+    def begin(self, request_id: str, prompt_ids: list[int]) -> None:
+        """Prefill all prompt tokens but the last; the scheduler expands the last one."""
+        n = len(prompt_ids)
+        nodes = list(range(n))
+        self.runner.apply(Control(request_id, commit=nodes))
+        if n > 1:
+            self._run(Segment(request_id, nodes[:-1], [-1] + nodes[:-2], list(range(n - 1)), prompt_ids[:-1],
+                              [False] * (n - 1)), want=False)
+
+    def expand(self, request_id: str, nodes: list[DraftNode], k: int) -> Proposals:
+        if not nodes:
+            return []
+        seg = Segment(request_id, [n.node_id for n in nodes], [n.parent_id for n in nodes],
+                      [n.position for n in nodes], [n.token for n in nodes], [True] * len(nodes))
+        out = self._run(seg, want=True)
+        if out is None or out.logprobs is None:
+            return [[] for _ in nodes]
+        kept = out.segments[0].node_ids
+        top = out.logprobs.topk(k, dim=-1)
+        by_node = {nid: list(zip(top.indices[i].tolist(), top.values[i].tolist())) for i, nid in enumerate(kept)}
+        return [by_node.get(n.node_id, []) for n in nodes]
+
+    def _run(self, seg: Segment, want: bool) -> MicroBatch | None:
+        started = time.perf_counter()
+        self._batch += 1
+        out = self.runner.step(MicroBatch(self._batch, [seg], return_logprobs=want))
+        self.compute_s += time.perf_counter() - started
+        if out.segments and out.segments[0].error:
+            raise RuntimeError(f"draft rejected nodes: {out.segments[0].error}")
+        return out
+
+    def commit(self, request_id: str, node_ids: list[int], tokens: list[int]) -> None:
+        self.runner.apply(Control(request_id, commit=node_ids))
+
+    def prune(self, request_id: str, node_ids: list[int]) -> None:
+        self.runner.apply(Control(request_id, prune=node_ids))
+
+    def release(self, request_id: str) -> None:
+        self.runner.apply(Control(request_id, release=True))
+
+
+def quantized_copy(model_ref: str, device: str = "cpu") -> nn.Module:
+    """The target with int8 dynamic quantization of every Linear (CPU), or a bf16 copy on CUDA."""
+    if str(device).startswith("cuda"):
+        return load_causal_lm(model_ref, torch.bfloat16, device)
+    model = load_causal_lm(model_ref, torch.float32, "cpu")
+    from torch.ao.quantization import quantize_dynamic
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+
+
+def check_same_tokenizer(target_ref: str, draft_ref: str) -> None:
+    """A separate draft must share the target's vocabulary token for token."""
+    from transformers import AutoConfig, AutoTokenizer
+    tv, dv = AutoConfig.from_pretrained(target_ref).vocab_size, AutoConfig.from_pretrained(draft_ref).vocab_size
+    if tv != dv:
+        raise ValueError(f"draft model {draft_ref} has a vocabulary of {dv} tokens, the target {tv}: "
+                         "a draft must use the target's tokenizer")
+    try:
+        tt, dt = AutoTokenizer.from_pretrained(target_ref), AutoTokenizer.from_pretrained(draft_ref)
+    except (OSError, ValueError, TypeError):
+        return   # folders without tokenizers (test models): the vocabulary size is all we can check
+    if tt.get_vocab() != dt.get_vocab():
+        raise ValueError(f"draft model {draft_ref} uses a different tokenizer from the target")

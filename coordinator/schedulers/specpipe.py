@@ -1,0 +1,129 @@
+"""`specpipe`: one layer of a dynamic speculative token tree enters the pipeline every step (arXiv
+2504.04104), so that ideally one token commits per pipeline step instead of one per S steps.
+
+Per request:
+1. The prompt goes in as a committed chain; the draft proposes children of its last token.
+2. While fewer than S micro-batches of the request are in flight, grow the tree (coordinator/tree.py:
+   `layer` or `best-first`), inject the chosen nodes as one micro-batch, and let the draft propose their
+   children for the next step.
+3. When a micro-batch returns, record each node's target token and verify at the root: **hit** -> commit the
+   matching child, prune its siblings' subtrees; **miss** -> commit the target's token as a **bonus** node,
+   prune everything in flight; the bonus goes into the next micro-batch with its first children.
+Commits and prunes are broadcast to every stage (which drop pruned rows they have not computed yet).
+
+Greedy and lossless: every committed token is the target's argmax after the committed prefix.
+"""
+from __future__ import annotations
+
+from services.batch import Control, Segment
+
+from coordinator.drafts.base import DraftNode, DraftSource
+from coordinator.schedulers.base import RequestState, Scheduler
+from coordinator.tree import POLICIES, TokenTree, TreeNode
+
+
+class SpecPipeScheduler(Scheduler):
+    name = "specpipe"
+
+    def __init__(self, num_stages: int, draft: DraftSource, width: int = 16, policy: str = "best-first",
+                 topk: int = 8) -> None:
+        super().__init__(num_stages)
+        if width < 1 or topk < 1:
+            raise ValueError("width and topk must be at least 1")
+        if policy not in POLICIES:
+            raise ValueError(f"unknown tree policy {policy!r}; choose from {', '.join(POLICIES)}")
+        self.draft, self.width, self.policy, self.topk = draft, width, policy, min(topk, width)
+        self.trees: dict[str, TokenTree] = {}
+
+    # -- scheduler hooks ----------------------------------------------------------------------------
+    def _start(self, state: RequestState) -> None:
+        rid, prompt = state.request.request_id, state.request.prompt_ids
+        nodes = [state.new_node() for _ in prompt]
+        state.committed.extend(nodes)
+        n = len(prompt)
+        self._broadcast(Control(rid, commit=nodes))
+        self._inject([Segment(rid, nodes, [-1] + nodes[:-1], list(range(n)), list(prompt),
+                              [False] * (n - 1) + [True])])
+        tree = self.trees[rid] = TokenTree(nodes[-1], prompt[-1], n - 1, state.new_node)
+        self._timed(state, self.draft.begin, rid, prompt)
+        self._expand(state, tree, [tree.root_node], parent_of_root=nodes[-2] if n > 1 else -1)
+        self._fill(state)
+
+    def _on_segment(self, state: RequestState, seg: Segment, outputs: list[int]) -> None:
+        tree = self.trees[state.request.request_id]
+        out = iter(outputs)
+        for node_id, want in zip(seg.node_ids, seg.want_output):
+            if want:
+                token = next(out)
+                if node_id in tree.nodes:
+                    tree.nodes[node_id].target_next = token
+        if self._verify(state, tree):
+            self._fill(state)
+
+    def _finish(self, state: RequestState, reason: str, error: str = "", error_code: int = 0) -> None:
+        rid = state.request.request_id
+        self.trees.pop(rid, None)
+        self.draft.release(rid)
+        super()._finish(state, reason, error, error_code)
+
+    # -- verification -------------------------------------------------------------------------------
+    def _verify(self, state: RequestState, tree: TokenTree) -> bool:
+        """Commit as far as the known target tokens allow. Returns False when the request finished."""
+        rid = state.request.request_id
+        while (token := tree.root_node.target_next) is not None:
+            child = tree.matching_child(tree.root, token)
+            if child is not None:
+                state.count("hits")
+                pruned = tree.commit(child)
+                node = child
+            else:
+                state.count("misses")
+                node, pruned = tree.restart(token)
+            if pruned:
+                self.draft.prune(rid, pruned)
+            self.draft.commit(rid, [node], [token])
+            if not self._commit(state, [node], [token], prune=pruned):
+                return False
+            if child is None:
+                break             # the bonus has no target token yet
+        return True
+
+    # -- growth -------------------------------------------------------------------------------------
+    def _fill(self, state: RequestState) -> None:
+        """Inject micro-batches while fewer than S of this request are in flight."""
+        rid = state.request.request_id
+        tree = self.trees[rid]
+        while state.in_flight < self.num_stages:
+            root = tree.root_node
+            batch: list[TreeNode] = []
+            if not root.injected:                     # a bonus after a miss goes first
+                root.injected = True
+                batch.append(root)
+                self._expand(state, tree, [root], parent_of_root=state.committed[-2])
+            remaining = state.request.max_new_tokens - len(state.generated)
+            chosen = [tree.nodes[i] for i in tree.select(self.policy, self.width, root.depth + remaining)]
+            if not batch and not chosen:
+                return
+            batch.extend(chosen)
+            self._inject([Segment(rid, [n.id for n in batch],
+                                  [n.parent if n.id != tree.root else state.committed[-2] for n in batch],
+                                  [n.depth for n in batch], [n.token for n in batch], [True] * len(batch))])
+            state.count("nodes_injected", len(batch))
+            self._expand(state, tree, [n for n in chosen if n.token not in state.request.eos_ids])
+
+    def _expand(self, state: RequestState, tree: TokenTree, nodes: list[TreeNode],
+                parent_of_root: int = -1) -> None:
+        if not nodes:
+            return
+        rid = state.request.request_id
+        draft_nodes = [DraftNode(n.id, parent_of_root if n.id == tree.root else n.parent, n.depth, n.token)
+                       for n in nodes]
+        proposals = self._timed(state, self.draft.expand, rid, draft_nodes, self.topk)
+        for n, props in zip(nodes, proposals):
+            tree.add_children(n.id, props)
+
+    def _timed(self, state: RequestState, fn, *args):
+        before = self.draft.compute_s
+        result = fn(*args)
+        state.count("draft_ms", (self.draft.compute_s - before) * 1e3)
+        return result
