@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     _generation_args(p)
     p.add_argument("--addr", default="127.0.0.1:50051", help="coordinator HOST:PORT")
     p.add_argument("--timeout", type=float, default=600.0)
+    p = sub.add_parser("bench", help="methods side by side over a local pipeline; writes DIR/results.json",
+                       epilog="example:\n  specpipe bench --stages 8 --stage-time-ms 120 --methods pp,specpipe "
+                              "--widths 1,4,16 --tree-policies layer,best-first --out out/bench",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    from coordinator.bench import main_args
+    main_args(p)
     sub.add_parser("stage", help="serve one pipeline stage (container entrypoint)", add_help=False)
     sub.add_parser("coordinator", help="serve the public API over stages (container entrypoint)",
                    add_help=False)
@@ -90,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(cmd_local(args))
         if args.command == "generate":
             return asyncio.run(cmd_generate(args))
+        if args.command == "bench":
+            return asyncio.run(cmd_bench(args))
     except KeyboardInterrupt:
         return 130
     except Exception as e:   # one clear line, not a traceback
@@ -191,6 +199,18 @@ async def cmd_local(args) -> int:
         if coordinator is not None:
             await coordinator.close()
         stages.stop()
+
+
+async def cmd_bench(args) -> int:
+    from coordinator.bench import config_from_args, log_stderr, run_bench, table
+    from services.model.loader import resolve_model, stderr_log
+
+    cfg = config_from_args(args)
+    cfg.model = await asyncio.to_thread(resolve_model, cfg.model, stderr_log)
+    result = await run_bench(cfg, log=log_stderr)
+    print(table(result))
+    print(f"results: {cfg.out}/results.json", file=sys.stderr)
+    return 0
 
 
 async def cmd_generate(args) -> int:

@@ -55,7 +55,7 @@ class Engine:
         self.transport = transport
         self.default_method = default_method
         self.spec = spec or SpecOptions()
-        self._schedulers: dict[str, Scheduler] = {}
+        self._schedulers: dict[tuple[str, SpecOptions], Scheduler] = {}
         self._live: dict[str, _Live] = {}
         self._owner: dict[int, tuple[Scheduler, int]] = {}     # wire batch id -> (scheduler, its batch id)
         self._batch_ids = itertools.count(1)
@@ -80,18 +80,21 @@ class Engine:
     def active(self) -> int:
         return len(self._live)
 
-    def scheduler(self, method: str) -> Scheduler:
-        if method not in self._schedulers:
-            self._schedulers[method] = make_scheduler(method, self.transport.num_stages, self.spec)
-        return self._schedulers[method]
+    def scheduler(self, method: str, spec: SpecOptions | None = None) -> Scheduler:
+        """The scheduler for a method and speculation settings (one per distinct pair)."""
+        key = (method, spec or self.spec)
+        if key not in self._schedulers:
+            self._schedulers[key] = make_scheduler(method, self.transport.num_stages, key[1])
+        return self._schedulers[key]
 
     async def submit(self, prompt_ids: list[int], max_new_tokens: int, method: str = "",
-                     eos_ids: frozenset[int] = frozenset(), request_id: str = "") -> tuple[str, asyncio.Queue]:
+                     eos_ids: frozenset[int] = frozenset(), request_id: str = "",
+                     spec: SpecOptions | None = None) -> tuple[str, asyncio.Queue]:
         """Start a request; returns its id and its event queue. Raises ValueError for bad input and
         RuntimeError when the pipeline has failed."""
         if self.failure is not None:
             raise RuntimeError(f"the pipeline failed: {self.failure}")
-        sched = self.scheduler(method or self.default_method)
+        sched = self.scheduler(method or self.default_method, spec)
         rid = request_id or uuid.uuid4().hex[:16]
         if rid in self._live:
             raise ValueError(f"request id {rid} is already running")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -39,6 +39,8 @@ class GenerateInput:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     request_id: str = ""          # chosen by the caller (the API binds it to its logs) or generated
+    width: int | None = None      # speculation overrides (benchmarks); None = the server's setting
+    tree_policy: str | None = None
 
 
 @dataclass
@@ -101,12 +103,18 @@ class Coordinator:
         return check(ids, inp.max_new_tokens, inp.method or self.config.method, list(METHODS),
                      inp.temperature, inp.top_p, inp.top_k, inp.stop, inp.ignore_eos, self.limits)
 
+    def _spec(self, inp: GenerateInput) -> SpecOptions | None:
+        if inp.width is None and inp.tree_policy is None:
+            return None
+        base = self.engine.spec
+        return replace(base, width=inp.width or base.width, policy=inp.tree_policy or base.policy)
+
     async def generate(self, inp: GenerateInput) -> AsyncIterator[Chunk]:
         params = self.prepare(inp)
         eos = frozenset() if params.ignore_eos else self.eos_ids
         try:
             rid, events = await self.engine.submit(params.prompt_ids, params.max_new_tokens, params.method, eos,
-                                             request_id=inp.request_id)
+                                                   request_id=inp.request_id, spec=self._spec(inp))
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
         except RuntimeError as e:

@@ -73,12 +73,15 @@ class TokenTree:
         return ids
 
     def candidates(self, max_depth: int | None = None) -> list[TreeNode]:
-        return [n for n in self.nodes.values() if not n.injected and self.nodes[n.parent].injected
-                and (max_depth is None or n.depth <= max_depth)]
+        """Nodes not yet injected whose parent is injected (none while the root itself is not injected)."""
+        return [n for n in self.nodes.values() if not n.injected and n.id != self.root
+                and self.nodes[n.parent].injected and (max_depth is None or n.depth <= max_depth)]
 
     def select_layer(self, width: int, max_depth: int | None = None) -> list[int]:
         """The best `width` children of the deepest injected layer (the root counts as a layer)."""
-        deepest = max(n.depth for n in self.nodes.values() if n.injected)
+        deepest = max((n.depth for n in self.nodes.values() if n.injected), default=None)
+        if deepest is None:
+            return []
         pool = [n for n in self.candidates(max_depth) if n.depth == deepest + 1]
         return self._take(pool, width)
 

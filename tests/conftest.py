@@ -37,3 +37,21 @@ def tiny_model(tmp_path_factory) -> Path:
 def tiny_hf(tiny_model):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model8(tmp_path_factory) -> Path:
+    """8 layers, so that pipelines of up to 8 stages can be built."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny8") / "llama8", layers=8, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf8(tiny_model8):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(tiny_model8, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_model(tmp_path_factory) -> Path:
+    """A separate small model with the same vocabulary (a stand-in for a real draft model folder)."""
+    return make_tiny_llama(tmp_path_factory.mktemp("draft") / "draft2", layers=2, seed=7)

@@ -7,6 +7,7 @@ and at most one new micro-batch enters stage 0.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.batch import MicroBatch
@@ -30,7 +31,9 @@ class InProcessPipeline:
         self.runners = runners
         self.ticks = 0
 
-    def run(self, scheduler: Scheduler, requests: list[Request], max_ticks: int = 100_000) -> dict[str, Outcome]:
+    def run(self, scheduler: Scheduler, requests: list[Request], max_ticks: int = 100_000,
+            on_tick: Callable[[], None] | None = None) -> dict[str, Outcome]:
+        """Run requests to completion; `on_tick` is called after every pipeline step (for invariants)."""
         outcomes = {r.request_id: Outcome() for r in requests}
         for r in requests:
             scheduler.add(r)
@@ -54,6 +57,9 @@ class InProcessPipeline:
                     scheduler.on_result(out)
             stages = nxt
             self.ticks += 1
+            self._apply(scheduler, outcomes, waiting, done)
+            if on_tick is not None:
+                on_tick()
         raise RuntimeError(f"pipeline did not finish within {max_ticks} ticks")
 
     def _apply(self, scheduler, outcomes, waiting, done) -> None:

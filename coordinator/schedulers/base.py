@@ -107,10 +107,13 @@ class Scheduler(ABC):
             if state is not None:
                 state.in_flight -= 1
                 state.last_step = self._clock
-                if len(request_ids) == 1:       # per-stage row counts are exact for one-request batches
+                if len(request_ids) == 1:       # per-stage counts are exact for one-request batches
+                    state.count("batches")
                     for t in batch.trace:
                         state.count(f"stage{t.stage}_rows_computed", t.rows_computed)
                         state.count(f"stage{t.stage}_rows_dropped", t.rows_in - t.rows_computed)
+                        state.count(f"stage{t.stage}_compute_ms", t.compute_ms)
+                        state.count(f"stage{t.stage}_wait_ms", t.wait_ms)
         offset = 0
         for seg in batch.segments:
             n_out = sum(seg.want_output)

@@ -38,6 +38,8 @@ class SpecPipeScheduler(Scheduler):
     # -- scheduler hooks ----------------------------------------------------------------------------
     def _start(self, state: RequestState) -> None:
         rid, prompt = state.request.request_id, state.request.prompt_ids
+        state.count("hits", 0)
+        state.count("misses", 0)
         nodes = [state.new_node() for _ in prompt]
         state.committed.extend(nodes)
         n = len(prompt)

@@ -1,0 +1,208 @@
+"""`specpipe bench`: methods side by side over one local pipeline, interleaved prompt by prompt so that
+machine drift hits every method alike. Writes DIR/results.json and prints a table.
+
+Each variant (method, width, tree policy) runs every prompt alone (concurrency 1). Per variant it reports
+time between tokens (mean, p50, p90 over requests), time to first token, tokens per pipeline step, hit rate,
+throughput, and every stage's real compute per step next to the emulated stage time: when compute takes
+most of the emulated time, the machine — not the modelled GPU stage — sets the pace, and the row is flagged.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from services.config import parse_stage_time
+
+from coordinator.config import CoordinatorConfig
+from coordinator.local import LocalStages
+from coordinator.service import Coordinator, GenerateInput
+
+OVERRUN = 0.9    # flag a stage whose real compute per step exceeds this share of its emulated time
+
+
+@dataclass(frozen=True)
+class Variant:
+    method: str
+    width: int | None = None
+    policy: str | None = None
+
+    @property
+    def label(self) -> str:
+        return self.method if self.width is None else f"{self.method}/{self.policy}/w{self.width}"
+
+
+@dataclass
+class BenchConfig:
+    stages: list[int]
+    methods: list[str]
+    widths: list[int]
+    policies: list[str]
+    stage_time_ms: str = "120"
+    max_new_tokens: int = 32
+    prompts: str = ""                  # JSON lines {"prompt": ..., "raw": ...}; empty = shipped set
+    num_prompts: int = 4
+    out: str = "bench-out"
+    model: str = "default"
+    draft: str = "quant"
+    dtype: str = "float32"
+    device: str = "cpu"
+    threads: int = 1
+    variants: list[Variant] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        parse_stage_time(self.stage_time_ms)
+        if not self.variants:
+            for m in self.methods:
+                if m == "specpipe":
+                    self.variants += [Variant(m, w, p) for p in self.policies for w in self.widths]
+                else:
+                    self.variants.append(Variant(m))
+
+
+def load_prompts(path: str, n: int) -> list[dict]:
+    text = Path(path).read_text() if path else \
+        resources.files("coordinator").joinpath("data/prompts.jsonl").read_text()
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    for i, r in enumerate(rows):
+        if not isinstance(r.get("prompt"), str) or not r["prompt"]:
+            raise ValueError(f"prompt file line {i + 1}: needs a non-empty string field 'prompt'")
+    return rows[:n] if n > 0 else rows
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def summarize(variant: Variant, stages: int, runs: list[dict], stage_time: tuple[float, float]) -> dict:
+    tbts = [r["tbt_ms"] for r in runs]
+    tokens = sum(r["tokens"] for r in runs)
+    steps = sum(r["steps"] for r in runs)
+    hits = sum(r.get("hits", 0) for r in runs)
+    misses = sum(r.get("misses", 0) for r in runs)
+    wall = sum(r["wall_ms"] for r in runs) / 1e3
+    batches = sum(r.get("batches", 0) for r in runs) or 1
+    compute = [sum(r.get(f"stage{i}_compute_ms", 0.0) for r in runs) / batches for i in range(stages)]
+    rows = sum(r.get("stage0_rows_computed", 0) for r in runs) / batches
+    emulated = stage_time[0] + stage_time[1] * rows
+    flagged = [i for i, c in enumerate(compute) if emulated > 0 and c > OVERRUN * emulated]
+    return {"method": variant.method, "label": variant.label, "width": variant.width, "tree_policy": variant.policy,
+            "stages": stages, "concurrency": 1, "requests": len(runs),
+            "tbt_ms_mean": statistics.fmean(tbts) if tbts else 0.0, "tbt_ms_p50": percentile(tbts, 0.5),
+            "tbt_ms_p90": percentile(tbts, 0.9),
+            "ttft_ms_mean": statistics.fmean(r["ttft_ms"] for r in runs) if runs else 0.0,
+            "tokens_per_step": tokens / steps if steps else 0.0,
+            "hit_rate": hits / (hits + misses) if variant.method != "pp" and hits + misses else None,
+            "throughput_tok_s": tokens / wall if wall else 0.0, "steps": steps, "tokens": tokens, "wall_s": wall,
+            "draft_share": sum(r.get("draft_ms", 0.0) for r in runs) / (wall * 1e3) if wall else 0.0,
+            "rows_per_step": rows, "stage_compute_ms": compute, "emulated_stage_ms": emulated,
+            "compute_overrun_stages": flagged}
+
+
+async def run_bench(cfg: BenchConfig, log=print) -> dict:
+    prompts = load_prompts(cfg.prompts, cfg.num_prompts)
+    stage_time = parse_stage_time(cfg.stage_time_ms)
+    out_rows = []
+    for num_stages in cfg.stages:
+        stages = LocalStages(num_stages, model=cfg.model, dtype=cfg.dtype, device=cfg.device,
+                             threads=cfg.threads, stage_time_ms=cfg.stage_time_ms)
+        stages.start()
+        coordinator = None
+        try:
+            await stages.wait_ready()
+            coordinator = await Coordinator.connect(CoordinatorConfig(
+                stages=tuple(stages.addresses), model=cfg.model, draft=cfg.draft, max_new_tokens_cap=1 << 20))
+            runs: dict[Variant, list[dict]] = {v: [] for v in cfg.variants}
+            await _one(coordinator, cfg.variants[0], prompts[0], 4)            # warm-up, not counted
+            for pi, prompt in enumerate(prompts):
+                for v in cfg.variants:                                          # interleaved
+                    stats = await _one(coordinator, v, prompt, cfg.max_new_tokens)
+                    runs[v].append(stats)
+                    log(f"  S={num_stages} prompt {pi + 1}/{len(prompts)} {v.label}: "
+                        f"tbt {stats['tbt_ms']:.1f} ms, {stats['tokens_per_step']:.2f} tok/step")
+            out_rows += [summarize(v, num_stages, runs[v], stage_time) for v in cfg.variants]
+        finally:
+            if coordinator is not None:
+                await coordinator.close()
+            stages.stop()
+    result = {"config": {k: v for k, v in asdict(cfg).items() if k != "variants"} | {
+        "variants": [v.label for v in cfg.variants], "num_prompts_used": len(prompts),
+        "emulated_stage_time": cfg.stage_time_ms != "0", "machine_cores": _cores(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, "rows": out_rows}
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+async def _one(coordinator: Coordinator, v: Variant, prompt: dict, max_new: int) -> dict:
+    inp = GenerateInput(prompt=prompt["prompt"], raw=bool(prompt.get("raw", False)), max_new_tokens=max_new,
+                        method=v.method, ignore_eos=True, width=v.width, tree_policy=v.policy)
+    last = None
+    async for chunk in coordinator.generate(inp):
+        last = chunk
+    return dict(last.stats)
+
+
+def table(result: dict) -> str:
+    rows = result["rows"]
+    head = f"{'S':>3} {'variant':<28} {'tbt ms':>8} {'p90':>8} {'ttft ms':>8} {'tok/step':>9} {'hit':>6} " \
+           f"{'tok/s':>7} {'draft%':>7}  flags"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        hit = f"{r['hit_rate']:.2f}" if r["hit_rate"] is not None else "-"
+        flag = f"compute>{OVERRUN:.0%} of emulated at stages {r['compute_overrun_stages']}" \
+            if r["compute_overrun_stages"] else ""
+        lines.append(f"{r['stages']:>3} {r['label']:<28} {r['tbt_ms_mean']:>8.1f} {r['tbt_ms_p90']:>8.1f} "
+                     f"{r['ttft_ms_mean']:>8.0f} {r['tokens_per_step']:>9.2f} {hit:>6} "
+                     f"{r['throughput_tok_s']:>7.2f} {100 * r['draft_share']:>6.1f}%  {flag}")
+    base = {r["stages"]: r["tbt_ms_mean"] for r in rows if r["method"] == "pp"}
+    for r in rows:
+        if r["method"] != "pp" and r["stages"] in base and r["tbt_ms_mean"]:
+            lines.append(f"    S={r['stages']} {r['label']}: {base[r['stages']] / r['tbt_ms_mean']:.2f}x lower "
+                         "time between tokens than pp")
+    return "\n".join(lines)
+
+
+def _cores() -> int:
+    import os
+    return os.cpu_count() or 0
+
+
+def main_args(p) -> None:
+    p.add_argument("--stages", default="8", help="comma-separated pipeline depths")
+    p.add_argument("--methods", default="pp,specpipe")
+    p.add_argument("--widths", default="16", help="comma-separated widths for specpipe")
+    p.add_argument("--tree-policies", default="best-first", help="comma-separated: layer,best-first")
+    p.add_argument("--stage-time-ms", default="120")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--prompts", default="", help="JSON lines file; default: the shipped prompt set")
+    p.add_argument("--num-prompts", type=int, default=4, help="how many prompts to use (0 = all)")
+    p.add_argument("--out", default="bench-out")
+    p.add_argument("--model", default="default")
+    p.add_argument("--draft", default="quant", choices=["quant", "ngram", "model", "none"])
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=1)
+
+
+def config_from_args(a) -> BenchConfig:
+    ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
+    strs = lambda s: [x.strip() for x in s.split(",") if x.strip()]  # noqa: E731
+    return BenchConfig(stages=ints(a.stages), methods=strs(a.methods), widths=ints(a.widths),
+                       policies=strs(a.tree_policies), stage_time_ms=a.stage_time_ms,
+                       max_new_tokens=a.max_new_tokens, prompts=a.prompts, num_prompts=a.num_prompts,
+                       out=a.out, model=a.model, draft=a.draft, dtype=a.dtype, device=a.device, threads=a.threads)
+
+
+def log_stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,284 @@
+"""TokenTree (coordinator/tree.py): growth policies, verification (commit / restart), queries.
+
+Expected values are worked out by hand from the module's docstring contract."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coordinator.tree import POLICIES, TokenTree
+
+
+def make_tree(root_id: int = 0, root_token: int = 50, root_depth: int = 0) -> TokenTree:
+    ids = itertools.count(root_id + 1)
+    return TokenTree(root_id, root_token, root_depth, lambda: next(ids))
+
+
+def test_docstring_worked_example():
+    a, b, c, d, e, x = 10, 11, 12, 13, 14, 15
+    t = make_tree(root_id=0, root_depth=4)
+    assert t.root == 0 and t.root_node.injected and t.root_node.committed
+    assert t.add_children(0, [(a, -0.1), (b, -1.0), (c, -2.0)]) == [1, 2, 3]
+    assert [t.nodes[i].depth for i in (1, 2, 3)] == [5, 5, 5]
+    assert [t.nodes[i].token for i in (1, 2, 3)] == [a, b, c]
+    assert t.select_layer(2) == [1, 2]
+    assert t.nodes[1].injected and t.nodes[2].injected and not t.nodes[3].injected
+    assert t.add_children(1, [(d, -0.2)]) == [4]
+    assert t.add_children(2, [(e, -0.1)]) == [5]
+    assert t.nodes[4].score == pytest.approx(-0.3)
+    assert t.nodes[5].score == pytest.approx(-1.1)
+    assert t.select_layer(2) == [4, 5]
+    assert t.nodes[4].depth == 6 and t.nodes[5].depth == 6
+    # target_next(0) = b: a hit on 2
+    t.root_node.target_next = b
+    assert t.matching_child(0, b) == 2
+    assert sorted(t.commit(2)) == [1, 4]          # candidate 3 is dropped but not reported
+    assert t.root == 2 and t.root_node.committed
+    assert set(t.nodes) == {2, 5}
+    # target_next(2) = x: a miss
+    assert t.matching_child(2, x) is None
+    bonus, pruned = t.restart(x)
+    assert bonus == 6 and pruned == [5]
+    assert t.root == 6 and set(t.nodes) == {6}
+    node = t.nodes[6]
+    assert node.token == x and node.committed and not node.injected and node.depth == 6
+
+
+def test_add_children_skips_duplicates_marks_expanded_and_accumulates_scores():
+    t = make_tree()
+    assert not t.root_node.expanded
+    assert t.add_children(0, [(7, -0.5), (7, -0.1), (8, -1.0)]) == [1, 2]
+    assert t.root_node.expanded
+    assert t.add_children(0, [(8, -0.2), (9, -2.0)]) == [3]     # 8 is already a child of 0
+    assert t.root_node.children == [1, 2, 3]
+    assert [t.nodes[i].token for i in (1, 2, 3)] == [7, 8, 9]
+    assert t.nodes[1].score == pytest.approx(-0.5)              # the first proposal of 7 wins
+    assert t.nodes[3].score == pytest.approx(-2.0)
+    # the same token under another parent is fine; scores add up along the path
+    assert not t.nodes[1].expanded
+    assert t.add_children(1, [(7, -0.25), (8, -0.75)]) == [4, 5]
+    assert t.nodes[1].expanded
+    assert t.nodes[4].score == pytest.approx(-0.75) and t.nodes[4].depth == 2
+    assert t.nodes[5].score == pytest.approx(-1.25) and t.nodes[4].parent == 1
+    assert t.add_children(4, [(3, -1.0)]) == [6]
+    assert t.nodes[6].score == pytest.approx(-1.75) and t.nodes[6].depth == 3
+    # an empty proposal list still marks the node expanded
+    assert t.add_children(6, []) == [] and t.nodes[6].expanded
+
+
+def test_select_layer_takes_only_children_of_the_deepest_injected_layer():
+    t = make_tree()
+    t.add_children(0, [(1, -0.5), (2, -0.1), (3, -0.3)])          # 1, 2, 3 at depth 1
+    assert t.select_layer(2) == [2, 3]                            # root is the deepest layer
+    assert [t.nodes[i].injected for i in (1, 2, 3)] == [False, True, True]
+    t.add_children(2, [(4, -0.05)])                               # 4: -0.15, depth 2
+    t.add_children(3, [(5, -2.0)])                                # 5: -2.3, depth 2
+    # candidate 1 (-0.5) beats 5 (-2.3) but sits at depth 1, not below the deepest layer
+    assert t.select_layer(1) == [4]
+    assert not t.nodes[1].injected and not t.nodes[5].injected
+    # now the deepest injected layer is depth 2 (node 4), which has no children: nothing at all
+    assert t.select_layer(5) == []
+    assert not t.nodes[1].injected and not t.nodes[5].injected
+    t.add_children(4, [(6, -1.0), (7, -0.5), (8, -3.0)])        # 6: -1.15, 7: -0.65, 8: -3.15
+    assert t.select_layer(2) == [6, 7]                            # parents-before-children order, by id
+    assert t.nodes[6].injected and t.nodes[7].injected and not t.nodes[8].injected
+
+
+def test_select_layer_returns_sorted_ids_when_better_scores_have_higher_ids():
+    t = make_tree()
+    t.add_children(0, [(1, -3.0), (2, -2.0), (3, -1.0)])
+    assert t.select_layer(2) == [2, 3]
+
+
+def test_select_best_first_any_depth_but_only_with_injected_parent():
+    t = make_tree()
+    t.add_children(0, [(1, -1.0), (2, -0.1)])                     # 1: -1.0, 2: -0.1
+    assert t.select_best_first(1) == [2]
+    t.add_children(2, [(3, -0.1)])                                # 3: -0.2 at depth 2
+    assert t.select_best_first(1) == [3]                          # deeper, better than 1
+    t.add_children(1, [(4, 0.0)])                                 # 4: -1.0, parent 1 not injected
+    t.add_children(3, [(5, -5.0)])                                # 5: -5.2, parent 3 injected
+    assert t.select_best_first(2) == [1, 5]                       # 4 outscores 5 but is not eligible
+    assert not t.nodes[4].injected
+    assert t.select_best_first(5) == [4]                          # its parent is injected now
+    assert t.select_best_first(5) == []
+
+
+def test_select_best_first_orders_parents_before_children():
+    t = make_tree()
+    t.add_children(0, [(1, -0.1), (2, -3.0)])
+    assert t.select_best_first(1) == [1]
+    t.add_children(1, [(3, -0.1)])                                # 3: -0.2 at depth 2, beats 2 (-3.0)
+    assert t.select_best_first(2) == [2, 3]                       # shallower first
+
+
+def test_max_depth_limits_both_policies():
+    t = make_tree(root_depth=4)
+    t.add_children(0, [(1, -0.1), (2, -0.2)])                     # depth 5
+    assert t.select_layer(2, max_depth=4) == []
+    assert t.select_best_first(2, max_depth=4) == []
+    assert not t.nodes[1].injected and not t.nodes[2].injected
+    assert t.select_layer(1, max_depth=5) == [1]
+    t.add_children(1, [(3, 0.0)])                                 # 3: -0.1 at depth 6, beats 2
+    assert t.select_best_first(5, max_depth=5) == [2]
+    assert not t.nodes[3].injected
+    assert t.select("layer", 5, max_depth=5) == []
+    assert t.select("best-first", 5, max_depth=6) == [3]
+
+
+def test_select_dispatches_on_policy():
+    assert POLICIES == ("layer", "best-first")
+
+    def setup() -> TokenTree:
+        t = make_tree()
+        t.add_children(0, [(1, -0.1), (2, -2.0)])
+        t.select_layer(1)                                         # injects 1
+        t.add_children(1, [(3, -0.1)])                            # 3: -0.2 at depth 2
+        return t
+
+    assert setup().select("layer", 1) == [3]                      # deepest layer is depth 1
+    t = setup()
+    assert t.select("best-first", 2) == [2, 3]
+    t = setup()
+    with pytest.raises(ValueError):
+        t.select("greedy", 2)
+    assert not t.nodes[2].injected and not t.nodes[3].injected
+
+
+def test_matching_child_only_matches_injected_children():
+    t = make_tree()
+    t.add_children(0, [(7, -0.1), (8, -0.2)])
+    assert t.matching_child(0, 7) is None                         # not injected yet
+    t.select_layer(1)                                             # injects 1 (token 7)
+    assert t.matching_child(0, 7) == 1
+    assert t.matching_child(0, 8) is None                         # 2 is still a candidate
+    assert t.matching_child(0, 9) is None
+    t.add_children(1, [(8, -0.1)])
+    t.select_layer(1)                                             # injects 3 (token 8 under 1)
+    assert t.matching_child(0, 8) is None                         # a grandchild is not a child
+    assert t.matching_child(1, 8) == 3
+
+
+def build_commit_tree() -> TokenTree:
+    t = make_tree(root_depth=2)
+    t.add_children(0, [(10, -0.1), (11, -0.2), (12, -3.0)])       # 1, 2 injected; 3 candidate
+    assert t.select_layer(2) == [1, 2]
+    t.add_children(2, [(20, -0.1), (21, -5.0)])                   # 4: -0.3, 5: -5.2
+    t.add_children(1, [(22, -1.0)])                               # 6: -1.1
+    assert t.select_layer(2) == [4, 6]                            # 5 stays a candidate
+    t.add_children(4, [(23, -0.1)])                               # 7: -0.4
+    assert t.select_layer(1) == [7]
+    t.add_children(6, [(24, -0.1)])                               # 8: candidate below 6
+    return t
+
+
+def test_commit_returns_injected_nodes_of_sibling_subtrees():
+    t = build_commit_tree()
+    with pytest.raises(ValueError):
+        t.commit(4)                                               # a grandchild, not a child
+    with pytest.raises(ValueError):
+        t.commit(0)                                               # the root itself
+    assert t.root == 0 and len(t.nodes) == 9                      # nothing changed
+    pruned = t.commit(1)
+    assert sorted(pruned) == [2, 4, 7]                            # not candidates 3, 5; not root 0
+    assert t.root == 1 and set(t.nodes) == {1, 6, 8}
+    root = t.root_node
+    assert root.committed and root.injected and root.depth == 3 and root.token == 10
+    assert t.path_tokens(8) == [22, 24]
+    assert t.live_injected() == [6]
+    with pytest.raises(ValueError):
+        t.commit(8)
+    assert t.commit(6) == []
+    assert t.root == 6 and set(t.nodes) == {6, 8} and t.nodes[6].committed
+
+
+def test_restart_prunes_everything_and_adds_a_bonus():
+    t = build_commit_tree()                                       # ids 1..8 used
+    bonus, pruned = t.restart(99)
+    assert bonus == 9
+    assert sorted(pruned) == [1, 2, 4, 6, 7]
+    assert t.root == 9 and set(t.nodes) == {9}
+    node = t.nodes[9]
+    assert node.token == 99 and node.depth == 3 and node.committed and not node.injected
+    assert node.children == []
+    assert t.path_tokens(9) == [] and t.live_injected() == []
+
+
+def test_restart_with_no_children_prunes_nothing():
+    t = make_tree(root_id=5, root_depth=7)
+    bonus, pruned = t.restart(3)
+    assert (bonus, pruned) == (6, [])
+    assert t.root == 6 and t.nodes[6].depth == 8
+
+
+def test_path_tokens_and_live_injected():
+    t = make_tree(root_depth=10)
+    assert t.path_tokens(0) == [] and t.live_injected() == []
+    t.add_children(0, [(7, -0.1), (8, -0.2)])
+    t.add_children(1, [(9, -0.1)])
+    t.add_children(3, [(4, -0.1)])
+    assert t.path_tokens(1) == [7]
+    assert t.path_tokens(4) == [7, 9, 4]
+    assert t.path_tokens(2) == [8]
+    assert t.live_injected() == []                                # candidates only
+    t.select_layer(1)                                             # 1
+    t.select_layer(1)                                             # 3
+    assert sorted(t.live_injected()) == [1, 3]                    # root (committed) excluded
+
+
+# -- property test --------------------------------------------------------------------------------
+OPS = st.sampled_from(["add", "select", "commit", "restart"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_random_operations_keep_invariants(data):
+    t = make_tree(root_depth=data.draw(st.integers(0, 5)))
+    ever_pruned: set[int] = set()
+    for _ in range(data.draw(st.integers(1, 40))):
+        op = data.draw(OPS)
+        injected_before = {i for i, n in t.nodes.items() if n.injected}
+        old_root = t.root
+        pruned = None
+        if op == "add":
+            parent = data.draw(st.sampled_from(sorted(t.nodes)))
+            props = data.draw(st.lists(st.tuples(st.integers(0, 4), st.floats(-5.0, 0.0)), max_size=4))
+            t.add_children(parent, props)
+        elif op == "select":
+            if not t.root_node.injected:                          # the scheduler injects a bonus first
+                t.root_node.injected = True
+            policy = data.draw(st.sampled_from(POLICIES))
+            width = data.draw(st.integers(0, 4))
+            max_depth = data.draw(st.none() | st.integers(t.root_node.depth, t.root_node.depth + 6))
+            chosen = t.select(policy, width, max_depth)
+            assert len(chosen) <= width
+            assert all(i not in injected_before and t.nodes[i].injected for i in chosen)
+        elif op == "commit":
+            hits = [c for c in t.root_node.children if t.nodes[c].injected]
+            if not hits:
+                continue
+            pruned = t.commit(data.draw(st.sampled_from(hits)))
+        else:
+            bonus, pruned = t.restart(data.draw(st.integers(0, 4)))
+            assert set(t.nodes) == {bonus} and t.root == bonus and bonus not in ever_pruned
+        if pruned is not None:
+            assert len(pruned) == len(set(pruned))
+            assert not set(pruned) & set(t.nodes)
+            assert not set(pruned) & ever_pruned
+            # exactly the injected nodes that left the tree, except the old (committed) root
+            assert set(pruned) == injected_before - set(t.nodes) - {old_root}
+            ever_pruned |= set(pruned)
+        assert t.root in t.nodes and t.root_node.committed
+        for i, n in t.nodes.items():
+            assert n.id == i
+            assert all(c in t.nodes and t.nodes[c].parent == i for c in n.children)
+            if i == t.root:
+                continue
+            assert n.parent in t.nodes and i in t.nodes[n.parent].children
+            assert n.depth == t.nodes[n.parent].depth + 1
+            if n.injected:
+                assert t.nodes[n.parent].injected
+            assert not n.committed
