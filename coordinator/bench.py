@@ -182,7 +182,7 @@ def main_args(p) -> None:
     p.add_argument("--stages", default="8", help="comma-separated pipeline depths")
     p.add_argument("--methods", default="pp,specpipe")
     p.add_argument("--widths", default="16", help="comma-separated widths for specpipe")
-    p.add_argument("--tree-policies", default="best-first", help="comma-separated: layer,best-first")
+    p.add_argument("--tree-policies", default="hybrid", help="comma-separated: layer,best-first,hybrid")
     p.add_argument("--stage-time-ms", default="120")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--prompts", default="", help="JSON lines file; default: the shipped prompt set")

@@ -18,7 +18,7 @@ class CoordinatorConfig:
     draft_device: str = "cpu"
     draft_threads: int = 1               # torch threads of the coordinator (draft compute)
     width: int = 16                      # nodes per tree layer / per step
-    tree_policy: str = "best-first"      # layer | best-first
+    tree_policy: str = "hybrid"          # layer | best-first | hybrid (measured best: see README)
     topk: int = 8                        # children proposed per node
     default_max_new_tokens: int = 128
     max_new_tokens_cap: int = 4096
@@ -35,8 +35,8 @@ class CoordinatorConfig:
                 raise ValueError(f"stage address {addr!r} is not HOST:PORT")
         if self.width < 1 or self.topk < 1 or self.draft_threads < 1:
             raise ValueError("width, topk and draft_threads must be at least 1")
-        if self.tree_policy not in ("layer", "best-first"):
-            raise ValueError(f"unknown tree policy {self.tree_policy!r}; choose layer or best-first")
+        if self.tree_policy not in ("layer", "best-first", "hybrid"):
+            raise ValueError(f"unknown tree policy {self.tree_policy!r}; choose layer, best-first or hybrid")
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_cap:
             raise ValueError("default_max_new_tokens must be in [1, max_new_tokens_cap]")
 
@@ -81,7 +81,7 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--width", type=int, default=int(os.environ.get("SPECPIPE_WIDTH", d.width)),
                    help="tree nodes injected per step")
     p.add_argument("--tree-policy", default=os.environ.get("SPECPIPE_TREE_POLICY", d.tree_policy),
-                   choices=["layer", "best-first"])
+                   choices=["layer", "best-first", "hybrid"])
     p.add_argument("--topk", type=int, default=d.topk, help="children the draft proposes per node")
 
 

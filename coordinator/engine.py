@@ -111,10 +111,7 @@ class Engine:
         live = self._live.get(request_id)
         if live is None:
             return
-        task = asyncio.get_running_loop().create_task(
-            self._call(live.scheduler, live.scheduler.cancel, request_id, reason))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._spawn(self._call(live.scheduler, live.scheduler.cancel, request_id, reason))
 
     async def _call(self, sched: Scheduler, fn, *args):
         async with self._lock:
@@ -123,6 +120,13 @@ class Engine:
             finally:
                 for action in sched.poll():
                     self._work.put_nowait((sched, action))
+                if sched.has_work:       # deferred draft compute runs after the actions above are queued
+                    self._spawn(self._call(sched, sched.work))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _execute(self) -> None:
         while True:
@@ -174,6 +178,8 @@ class Engine:
         stats["wall_ms"] = (now - live.submitted) * 1e3
         stats["ttft_ms"] = (times[0] - live.submitted) * 1e3 if times else 0.0
         stats["tbt_ms"] = (times[-1] - times[0]) * 1e3 / (live.tokens - 1) if live.tokens > 1 else 0.0
+        if "draft_ms" in stats:
+            stats["draft_share"] = stats["draft_ms"] / stats["wall_ms"] if stats["wall_ms"] else 0.0
         log.debug("request finished", request_id=action.request_id, reason=action.reason, **stats)
         live.events.put_nowait(("finish", Finished(action.reason, stats, action.error, action.error_code)))
 

@@ -7,7 +7,9 @@ pipeline; once its micro-batch returns, `target_next` holds the target's greedy 
 
 Growth picks which candidates to inject next:
 - `layer` (the paper's): the best `width` children of the deepest injected layer, by score;
-- `best-first`: the `width` best candidates at any depth (their parents are already injected).
+- `best-first`: the `width` best candidates at any depth (their parents are already injected);
+- `hybrid` (ours): the best child of the deepest layer, so the tree deepens by one every step as the
+  pipeline needs, plus the `width - 1` best candidates at any depth.
 
 Verification at the root, when `target_next(root)` is known: if an injected child carries that token it is
 a **hit** — `commit(child)` makes it the root and prunes its siblings' subtrees; otherwise a **miss** —
@@ -27,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-POLICIES = ("layer", "best-first")
+POLICIES = ("layer", "best-first", "hybrid")
 
 
 @dataclass
@@ -88,11 +90,18 @@ class TokenTree:
     def select_best_first(self, width: int, max_depth: int | None = None) -> list[int]:
         return self._take(self.candidates(max_depth), width)
 
+    def select_hybrid(self, width: int, max_depth: int | None = None) -> list[int]:
+        spine = self.select_layer(min(1, width), max_depth)
+        rest = self.select_best_first(width - len(spine), max_depth)
+        return sorted(spine + rest, key=lambda i: (self.nodes[i].depth, i))
+
     def select(self, policy: str, width: int, max_depth: int | None = None) -> list[int]:
         if policy == "layer":
             return self.select_layer(width, max_depth)
         if policy == "best-first":
             return self.select_best_first(width, max_depth)
+        if policy == "hybrid":
+            return self.select_hybrid(width, max_depth)
         raise ValueError(f"unknown tree policy {policy!r}; choose from {', '.join(POLICIES)}")
 
     def _take(self, pool: list[TreeNode], width: int) -> list[int]:

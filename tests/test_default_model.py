@@ -64,3 +64,21 @@ def test_specpipe_run_pp_4_stages_matches_transformers(default_model, hf_model, 
     assert result["method"] == "pp" and result["stages"] == 4 and result["finish_reason"] == "length"
     assert result["steps"] == 4 * 24 and result["tokens_per_step"] == pytest.approx(0.25)
     assert result["tbt_ms"] > 0
+
+
+def test_specpipe_run_4_stages_quant_draft_matches_transformers(default_model, hf_model, tokenizer):
+    prompt = "What is the capital of France?"
+    proc = subprocess.run([sys.executable, "-m", "coordinator.cli", "run", prompt, "--stages", "4",
+                           "--method", "specpipe", "--draft", "quant", "--width", "8", "--max-new-tokens", "24",
+                           "--ignore-eos", "--json"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         tokenize=True)
+    chat = list(chat["input_ids"] if hasattr(chat, "keys") else chat)
+    assert result["token_ids"] == hf_greedy(hf_model, chat, 24)
+    c = result["counters"]
+    assert result["method"] == "specpipe" and c["hits"] + c["misses"] == 24
+    assert c["hits"] > c["misses"]                 # the int8 copy agrees with the target most of the time
+    assert result["tokens_per_step"] > 0.25        # better than plain pipelining's 1/S
+    assert 0 < c["draft_share"] < 1 and c["stage0_rows_computed"] >= 24

@@ -130,3 +130,29 @@ async def test_results_only_on_the_last_stage(tiny_model):
             except grpc.aio.AioRpcError as e:
                 assert e.code() == grpc.StatusCode.FAILED_PRECONDITION
 
+
+
+async def test_after_a_miss_stages_hold_only_committed_and_live_nodes(tiny_model):
+    """A coordinator-style miss: the target's token (bonus 7) is committed before its row exists and
+    everything in flight below the old root is pruned. Info on every stage then shows only the committed
+    chain; once the bonus row and its children arrive, those are all that is held besides it."""
+    async with stage_servers(str(tiny_model), 2) as (addrs, _):
+        async with Pipe(addrs) as pipe:
+            await pipe.control(Control("m", commit=[0, 1, 2]))
+            await pipe.send(prefill("m", [5, 6, 7]))
+            layer1 = Segment("m", [3, 4], [2, 2], [3, 3], [8, 9], [True, True])
+            layer2 = Segment("m", [5, 6], [3, 4], [4, 4], [10, 11], [True, True])
+            await pipe.send(batch_to_proto(MicroBatch(2, [layer1])))
+            await pipe.send(batch_to_proto(MicroBatch(3, [layer2])))
+            await pipe.control(Control("m", commit=[7], prune=[3, 4, 5, 6]))     # miss: bonus 7
+            for stub in pipe.stubs:
+                r = (await stub.Info(stage_pb2.InfoRequest(request_id="m"))).requests[0]
+                assert sorted(r.node_ids) == [0, 1, 2] and r.committed == 3 and r.live == 0
+            late = Segment("m", [8], [5], [5], [12], [True])                      # child of a pruned node
+            out = await pipe.send(batch_to_proto(MicroBatch(4, [late])))
+            assert list(out.segments[0].node_ids) == [] and out.trace[0].rows_computed == 0
+            restart = Segment("m", [7, 9], [2, 7], [3, 4], [13, 14], [True, True])  # bonus + first child
+            await pipe.send(batch_to_proto(MicroBatch(5, [restart])))
+            for stub in pipe.stubs:
+                r = (await stub.Info(stage_pb2.InfoRequest(request_id="m"))).requests[0]
+                assert sorted(r.node_ids) == [0, 1, 2, 7, 9] and r.committed == 4 and r.live == 1

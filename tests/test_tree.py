@@ -130,7 +130,7 @@ def test_max_depth_limits_both_policies():
 
 
 def test_select_dispatches_on_policy():
-    assert POLICIES == ("layer", "best-first")
+    assert POLICIES == ("layer", "best-first", "hybrid")
 
     def setup() -> TokenTree:
         t = make_tree()
@@ -282,3 +282,19 @@ def test_random_operations_keep_invariants(data):
             if n.injected:
                 assert t.nodes[n.parent].injected
             assert not n.committed
+
+
+def test_hybrid_always_deepens_then_fills_best_first() -> None:
+    """Root 0 (depth 0). Layer 1: a (-0.1) injected, b (-0.5) candidate. a's child c (-3.0) is the only
+    candidate one layer deeper; best-first alone would take b (and b's sibling e) first and not deepen."""
+    t = make_tree()
+    a, b, e = t.add_children(0, [(10, -0.1), (11, -0.5), (12, -0.6)])
+    assert t.select_layer(1) == [a]
+    (c,) = t.add_children(a, [(13, -2.9)])                        # cumulative -3.0 at depth 2
+    assert t.select_best_first(1) == [b]                           # control: best-first stays shallow
+    t2 = make_tree()
+    a2, b2, e2 = t2.add_children(0, [(10, -0.1), (11, -0.5), (12, -0.6)])
+    t2.select_layer(1)
+    (c2,) = t2.add_children(a2, [(13, -2.9)])
+    assert t2.select_hybrid(2) == [b2, c2]                         # the spine (c2) plus the best other (b2)
+    assert t2.nodes[c2].injected and t2.nodes[b2].injected and not t2.nodes[e2].injected

@@ -63,6 +63,12 @@ class InProcessPipeline:
         raise RuntimeError(f"pipeline did not finish within {max_ticks} ticks")
 
     def _apply(self, scheduler, outcomes, waiting, done) -> None:
+        self._dispatch(scheduler, outcomes, waiting, done)
+        while scheduler.has_work:                  # draft work happens between pipeline steps
+            scheduler.work()
+            self._dispatch(scheduler, outcomes, waiting, done)
+
+    def _dispatch(self, scheduler, outcomes, waiting, done) -> None:
         for action in scheduler.poll():
             if isinstance(action, Inject):
                 waiting.append(action.batch)

@@ -132,6 +132,15 @@ class Scheduler(ABC):
         if state is not None:
             self._finish(state, reason)
 
+    @property
+    def has_work(self) -> bool:
+        """True when the scheduler has deferred compute (e.g. draft expansions) for `work()`."""
+        return False
+
+    def work(self) -> None:
+        """Do deferred compute. Drivers call it after draining actions, while `has_work`, so that
+        micro-batches already decided leave before the draft runs."""
+
     def poll(self) -> list[Action]:
         actions, self._actions = self._actions, []
         return actions

@@ -18,7 +18,7 @@ class SpecOptions:
     """Speculation settings shared by the speculative methods."""
     draft: DraftSource | None = None
     width: int = 16
-    policy: str = "best-first"
+    policy: str = "hybrid"
     topk: int = 8
 
 

@@ -25,7 +25,7 @@ from coordinator.tree import POLICIES, TokenTree, TreeNode
 class SpecPipeScheduler(Scheduler):
     name = "specpipe"
 
-    def __init__(self, num_stages: int, draft: DraftSource, width: int = 16, policy: str = "best-first",
+    def __init__(self, num_stages: int, draft: DraftSource, width: int = 16, policy: str = "hybrid",
                  topk: int = 8) -> None:
         super().__init__(num_stages)
         if width < 1 or topk < 1:
@@ -34,6 +34,8 @@ class SpecPipeScheduler(Scheduler):
             raise ValueError(f"unknown tree policy {policy!r}; choose from {', '.join(POLICIES)}")
         self.draft, self.width, self.policy, self.topk = draft, width, policy, min(topk, width)
         self.trees: dict[str, TokenTree] = {}
+        self.pending: dict[str, list[int]] = {}      # request -> injected nodes the draft must expand
+        self.begun: set[str] = set()                 # requests whose prompt the draft has seen
 
     # -- scheduler hooks ----------------------------------------------------------------------------
     def _start(self, state: RequestState) -> None:
@@ -46,10 +48,8 @@ class SpecPipeScheduler(Scheduler):
         self._broadcast(Control(rid, commit=nodes))
         self._inject([Segment(rid, nodes, [-1] + nodes[:-1], list(range(n)), list(prompt),
                               [False] * (n - 1) + [True])])
-        tree = self.trees[rid] = TokenTree(nodes[-1], prompt[-1], n - 1, state.new_node)
-        self._timed(state, self.draft.begin, rid, prompt)
-        self._expand(state, tree, [tree.root_node], parent_of_root=nodes[-2] if n > 1 else -1)
-        self._fill(state)
+        self.trees[rid] = TokenTree(nodes[-1], prompt[-1], n - 1, state.new_node)
+        self.pending[rid] = [nodes[-1]]          # the draft prefills and expands the root in work()
 
     def _on_segment(self, state: RequestState, seg: Segment, outputs: list[int]) -> None:
         tree = self.trees[state.request.request_id]
@@ -65,7 +65,10 @@ class SpecPipeScheduler(Scheduler):
     def _finish(self, state: RequestState, reason: str, error: str = "", error_code: int = 0) -> None:
         rid = state.request.request_id
         self.trees.pop(rid, None)
-        self.draft.release(rid)
+        self.pending.pop(rid, None)
+        if rid in self.begun:
+            self.begun.discard(rid)
+            self.draft.release(rid)
         super()._finish(state, reason, error, error_code)
 
     # -- verification -------------------------------------------------------------------------------
@@ -80,6 +83,8 @@ class SpecPipeScheduler(Scheduler):
                 node = child
             else:
                 state.count("misses")
+                proposed = any(tree.nodes[c].token == token for c in tree.root_node.children)
+                state.count("misses_proposed_not_injected" if proposed else "misses_not_proposed")
                 node, pruned = tree.restart(token)
             if pruned:
                 self.draft.prune(rid, pruned)
@@ -91,33 +96,49 @@ class SpecPipeScheduler(Scheduler):
         return True
 
     # -- growth -------------------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return bool(self.pending)
+
+    def work(self) -> None:
+        """Draft compute, kept out of the event handlers so that injections leave first: expand the
+        nodes injected last, then inject the next layer if the pipeline has room."""
+        for rid in list(self.pending):
+            state, tree = self.requests[rid], self.trees[rid]
+            nodes = [tree.nodes[i] for i in self.pending.pop(rid) if i in tree.nodes]
+            if rid not in self.begun:
+                self.begun.add(rid)
+                self._timed(state, self.draft.begin, rid, state.request.prompt_ids)
+            self._expand(state, tree, [n for n in nodes if n.token not in state.request.eos_ids])
+            self._fill(state)
+
     def _fill(self, state: RequestState) -> None:
-        """Inject micro-batches while fewer than S of this request are in flight."""
+        """Inject the next micro-batch if fewer than S of this request are in flight and the draft has
+        expanded everything injected so far; the new nodes then wait for expansion in work()."""
         rid = state.request.request_id
         tree = self.trees[rid]
-        while state.in_flight < self.num_stages:
-            root = tree.root_node
-            batch: list[TreeNode] = []
-            if not root.injected:                     # a bonus after a miss goes first
-                root.injected = True
-                batch.append(root)
-                self._expand(state, tree, [root], parent_of_root=state.committed[-2])
+        if state.in_flight >= self.num_stages or rid in self.pending:
+            return
+        root = tree.root_node
+        if not root.injected:                        # a bonus after a miss goes first, alone
+            root.injected = True
+            chosen = [root]
+        else:
             remaining = state.request.max_new_tokens - len(state.generated)
             chosen = [tree.nodes[i] for i in tree.select(self.policy, self.width, root.depth + remaining)]
-            if not batch and not chosen:
-                return
-            batch.extend(chosen)
-            self._inject([Segment(rid, [n.id for n in batch],
-                                  [n.parent if n.id != tree.root else state.committed[-2] for n in batch],
-                                  [n.depth for n in batch], [n.token for n in batch], [True] * len(batch))])
-            state.count("nodes_injected", len(batch))
-            self._expand(state, tree, [n for n in chosen if n.token not in state.request.eos_ids])
+        if not chosen:
+            return
+        parent = {tree.root: state.committed[-2]}
+        self._inject([Segment(rid, [n.id for n in chosen], [parent.get(n.id, n.parent) for n in chosen],
+                              [n.depth for n in chosen], [n.token for n in chosen], [True] * len(chosen))])
+        state.count("nodes_injected", len(chosen))
+        self.pending[rid] = [n.id for n in chosen]
 
-    def _expand(self, state: RequestState, tree: TokenTree, nodes: list[TreeNode],
-                parent_of_root: int = -1) -> None:
+    def _expand(self, state: RequestState, tree: TokenTree, nodes: list[TreeNode]) -> None:
         if not nodes:
             return
         rid = state.request.request_id
+        parent_of_root = state.committed[-2] if len(state.committed) > 1 else -1
         draft_nodes = [DraftNode(n.id, parent_of_root if n.id == tree.root else n.parent, n.depth, n.token)
                        for n in nodes]
         proposals = self._timed(state, self.draft.expand, rid, draft_nodes, self.topk)
