@@ -149,8 +149,8 @@ class StageRunner:
                 if not 0 <= t < vocab:
                     raise ProtocolError(f"token id {t} is outside the vocabulary [0, {vocab})")
         kv = self.cache.get(seg.request_id, create=True)
-        if kv is None:
-            return seg.select([]), [], [], None
+        if kv is None:   # late rows of an ended request; the coordinator ignores this if it is gone too
+            raise ProtocolError(f"request {seg.request_id} was already released on stage {self.stage_index}")
         kept_idx: list[int] = []
         slots: list[int] = []
         for i in range(n):
