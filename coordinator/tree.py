@@ -90,8 +90,27 @@ class TokenTree:
     def select_best_first(self, width: int, max_depth: int | None = None) -> list[int]:
         return self._take(self.candidates(max_depth), width)
 
+    def spine(self, max_depth: int | None = None) -> int | None:
+        """The candidate `select_layer(1)` would take next (without taking it)."""
+        deepest = max((n.depth for n in self.nodes.values() if n.injected), default=None)
+        pool = [n for n in self.candidates(max_depth) if deepest is not None and n.depth == deepest + 1]
+        return min(pool, key=lambda n: (-n.score, n.depth, n.id)).id if pool else None
+
+    def lead(self) -> int:
+        """How many layers the injected tree reaches below the root."""
+        root = self.root_node.depth
+        return max((n.depth for n in self.nodes.values() if n.injected), default=root) - root
+
     def select_hybrid(self, width: int, max_depth: int | None = None) -> list[int]:
+        """The spine node (best child of the deepest layer) — followed, when the draft has already expanded
+        it (a lookahead), by its best child in the same micro-batch, so a lagging tree catches up — plus the
+        best remaining candidates at any depth."""
         spine = self.select_layer(min(1, width), max_depth)
+        while spine and len(spine) < width and self.nodes[spine[-1]].expanded:
+            nxt = self.select_layer(1, max_depth)
+            if not nxt:
+                break
+            spine += nxt
         rest = self.select_best_first(width - len(spine), max_depth)
         return sorted(spine + rest, key=lambda i: (self.nodes[i].depth, i))
 
@@ -121,7 +140,7 @@ class TokenTree:
         return None
 
     def commit(self, child_id: int) -> list[int]:
-        """Hit: the child becomes the root. Returns the injected nodes pruned (its siblings' subtrees)."""
+        """Hit: the child becomes the root. Returns the computed nodes pruned (its siblings' subtrees)."""
         child = self.nodes[child_id]
         if child.parent != self.root:
             raise ValueError(f"node {child_id} is not a child of the root {self.root}")
@@ -136,7 +155,7 @@ class TokenTree:
 
     def restart(self, token: int) -> tuple[int, list[int]]:
         """Miss: commit `token` as a new bonus node below the root, pruning everything else.
-        Returns (bonus id, injected nodes pruned). The bonus still has to be injected."""
+        Returns (bonus id, computed nodes pruned). The bonus still has to be injected."""
         pruned = []
         for c in self.nodes[self.root].children:
             pruned.extend(self._drop_subtree(c))
@@ -147,11 +166,12 @@ class TokenTree:
         return bonus.id, pruned
 
     def _drop_subtree(self, node_id: int) -> list[int]:
-        """Remove a subtree; return its injected node ids (candidates never reached the stages)."""
+        """Remove a subtree; return the ids that were computed somewhere — injected (stages) or expanded
+        (draft). Candidates that were only proposed never left the coordinator."""
         out, stack = [], [node_id]
         while stack:
             n = self.nodes.pop(stack.pop())
-            if n.injected:
+            if n.injected or n.expanded:
                 out.append(n.id)
             stack.extend(n.children)
         return out

@@ -241,6 +241,7 @@ def test_random_operations_keep_invariants(data):
     for _ in range(data.draw(st.integers(1, 40))):
         op = data.draw(OPS)
         injected_before = {i for i, n in t.nodes.items() if n.injected}
+        computed_before = {i for i, n in t.nodes.items() if n.injected or n.expanded}
         old_root = t.root
         pruned = None
         if op == "add":
@@ -268,8 +269,8 @@ def test_random_operations_keep_invariants(data):
             assert len(pruned) == len(set(pruned))
             assert not set(pruned) & set(t.nodes)
             assert not set(pruned) & ever_pruned
-            # exactly the injected nodes that left the tree, except the old (committed) root
-            assert set(pruned) == injected_before - set(t.nodes) - {old_root}
+            # exactly the computed (injected or draft-expanded) nodes that left the tree, except the old root
+            assert set(pruned) == computed_before - set(t.nodes) - {old_root}
             ever_pruned |= set(pruned)
         assert t.root in t.nodes and t.root_node.committed
         for i, n in t.nodes.items():
@@ -298,3 +299,14 @@ def test_hybrid_always_deepens_then_fills_best_first() -> None:
     (c2,) = t2.add_children(a2, [(13, -2.9)])
     assert t2.select_hybrid(2) == [b2, c2]                         # the spine (c2) plus the best other (b2)
     assert t2.nodes[c2].injected and t2.nodes[b2].injected and not t2.nodes[e2].injected
+
+
+def test_hybrid_chains_through_an_expanded_spine_node() -> None:
+    """When the draft has already expanded the spine node (a lookahead), hybrid takes it and its best child
+    in one micro-batch: the tree deepens by two layers."""
+    t = make_tree()
+    (a,) = t.add_children(0, [(10, -0.1)])
+    assert t.lead() == 0 and t.spine() == a
+    (b,) = t.add_children(a, [(11, -0.2)])           # a expanded before injection
+    assert t.select_hybrid(4) == [a, b]
+    assert t.lead() == 2 and t.spine() is None        # b not expanded yet: nothing deeper to take

@@ -22,6 +22,9 @@ from coordinator.schedulers.base import RequestState, Scheduler
 from coordinator.tree import POLICIES, TokenTree, TreeNode
 
 
+LOOKAHEAD = 1      # spine nodes the draft may expand ahead of injection per step (hybrid, when lagging)
+
+
 class SpecPipeScheduler(Scheduler):
     name = "specpipe"
 
@@ -109,8 +112,26 @@ class SpecPipeScheduler(Scheduler):
             if rid not in self.begun:
                 self.begun.add(rid)
                 self._timed(state, self.draft.begin, rid, state.request.prompt_ids)
-            self._expand(state, tree, [n for n in nodes if n.token not in state.request.eos_ids])
+            self._expand(state, tree, [n for n in nodes if not n.expanded and n.token not in state.request.eos_ids])
+            self._lookahead(state, tree)
             self._fill(state)
+
+    def _lookahead(self, state: RequestState, tree: TokenTree) -> None:
+        """hybrid: while the injected tree reaches fewer than S-1 layers below the root (after a re-root),
+        let the draft expand the next spine node before it is injected, so the next micro-batch can carry
+        two layers and the tree catches up with the pipeline."""
+        if self.policy != "hybrid" or tree.lead() >= self.num_stages - 1:
+            return
+        remaining = state.request.max_new_tokens - len(state.generated)
+        for _ in range(LOOKAHEAD):
+            nid = tree.spine(tree.root_node.depth + remaining)
+            while nid is not None and tree.nodes[nid].expanded:      # follow already expanded spine nodes
+                best = max((tree.nodes[c] for c in tree.nodes[nid].children), key=lambda n: n.score, default=None)
+                nid = best.id if best is not None and best.depth <= tree.root_node.depth + remaining else None
+            if nid is None or tree.nodes[nid].token in state.request.eos_ids:
+                return
+            state.count("lookahead_nodes")
+            self._expand(state, tree, [tree.nodes[nid]])
 
     def _fill(self, state: RequestState) -> None:
         """Inject the next micro-batch if fewer than S of this request are in flight and the draft has
