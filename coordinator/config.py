@@ -20,6 +20,9 @@ class CoordinatorConfig:
     width: int = 16                      # nodes per tree layer / per step
     tree_policy: str = "hybrid"          # layer | best-first | hybrid (measured best: see README)
     topk: int = 8                        # children proposed per node
+    sps_k: int = 4                       # sps: draft tokens per trip
+    tree_nodes: int = 32                 # tree: nodes per trip
+    tree_depth: int = 6                  # tree: expansion rounds per trip
     default_max_new_tokens: int = 128
     max_new_tokens_cap: int = 4096
     grace_s: float = 10.0
@@ -33,8 +36,8 @@ class CoordinatorConfig:
             host, _, port = addr.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"stage address {addr!r} is not HOST:PORT")
-        if self.width < 1 or self.topk < 1 or self.draft_threads < 1:
-            raise ValueError("width, topk and draft_threads must be at least 1")
+        if min(self.width, self.topk, self.draft_threads, self.sps_k, self.tree_nodes, self.tree_depth) < 1:
+            raise ValueError("width, topk, draft_threads, sps_k, tree_nodes and tree_depth must be at least 1")
         if self.tree_policy not in ("layer", "best-first", "hybrid"):
             raise ValueError(f"unknown tree policy {self.tree_policy!r}; choose layer, best-first or hybrid")
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_cap:
@@ -83,8 +86,12 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-policy", default=os.environ.get("SPECPIPE_TREE_POLICY", d.tree_policy),
                    choices=["layer", "best-first", "hybrid"])
     p.add_argument("--topk", type=int, default=d.topk, help="children the draft proposes per node")
+    p.add_argument("--sps-k", type=int, default=d.sps_k, help="sps: draft tokens per trip")
+    p.add_argument("--tree-nodes", type=int, default=d.tree_nodes, help="tree: nodes per trip")
+    p.add_argument("--tree-depth", type=int, default=d.tree_depth, help="tree: expansion rounds per trip")
 
 
 def spec_kwargs(a: argparse.Namespace) -> dict:
     return dict(draft=a.draft, draft_model=a.draft_model, draft_device=a.draft_device,
-                draft_threads=a.draft_threads, width=a.width, tree_policy=a.tree_policy, topk=a.topk)
+                draft_threads=a.draft_threads, width=a.width, tree_policy=a.tree_policy, topk=a.topk,
+                sps_k=a.sps_k, tree_nodes=a.tree_nodes, tree_depth=a.tree_depth)

@@ -76,7 +76,8 @@ class Coordinator:
         torch.set_num_threads(config.draft_threads)
         draft = await asyncio.to_thread(build_draft, config.draft, config.model, config.draft_model,
                                         config.draft_device)
-        spec = SpecOptions(draft, config.width, config.tree_policy, config.topk)
+        spec = SpecOptions(draft, config.width, config.tree_policy, config.topk, config.sps_k, config.tree_nodes,
+                           config.tree_depth)
         engine = Engine(pipeline, default_method=config.method, spec=spec)
         await engine.start()
         log.info("coordinator connected", stages=len(config.stages), vocab=info.vocab_size,

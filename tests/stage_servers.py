@@ -1,7 +1,8 @@
 """In-process stage servers on 127.0.0.1 (same event loop as the test) for fast gRPC tests."""
 from __future__ import annotations
 
-from contextlib import asynccontextmanager
+import asyncio
+from contextlib import asynccontextmanager, contextmanager
 
 from protos import stage_pb2_grpc
 from services.config import MiB, StageConfig
@@ -9,7 +10,7 @@ from services.grpc_server import Server
 from services.server import SERVICE_NAME, build_runner
 from services.servicer import StageServicer
 
-from coordinator.local import free_port
+from coordinator.local import LocalStages, free_port
 
 
 @asynccontextmanager
@@ -37,3 +38,15 @@ async def stage_servers(model: str, num_stages: int, stage_time_ms: str = "0"):
         for server, servicer in zip(servers, servicers):
             await server.stop(0)
             await servicer.close()
+
+
+@contextmanager
+def local_processes(model: str, num_stages: int):
+    """Real stage processes (as `specpipe local` starts them), ready on return, stopped on exit."""
+    stages = LocalStages(num_stages, model=model)
+    stages.start()
+    try:
+        asyncio.run(stages.wait_ready(timeout_s=180))
+        yield stages
+    finally:
+        stages.stop()

@@ -7,11 +7,11 @@ import pytest
 
 from coordinator.config import CoordinatorConfig
 from coordinator.drivers.inprocess import InProcessPipeline
-from coordinator.local import LocalStages
 from coordinator.schedulers.base import Request
 from coordinator.schedulers.pp import PPScheduler
 from coordinator.service import Coordinator, GenerateInput
 from reference import hf_greedy, prompts
+from stage_servers import local_processes
 from test_shard import make_runners
 
 NEW = 24
@@ -49,13 +49,8 @@ def test_pp_stops_at_eos(tiny_model, tiny_hf):
 
 @pytest.fixture(scope="module", params=[1, 2, 4])
 def local_pipeline(request, tiny_model):
-    stages = LocalStages(request.param, model=str(tiny_model))
-    stages.start()
-    try:
-        asyncio.run(stages.wait_ready(timeout_s=180))
+    with local_processes(str(tiny_model), request.param) as stages:
         yield stages
-    finally:
-        stages.stop()
 
 
 async def test_pp_over_grpc_matches_transformers(local_pipeline, tiny_model, tiny_hf):

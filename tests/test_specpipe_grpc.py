@@ -1,4 +1,4 @@
-"""`specpipe` over real stage processes: exact output, and no stage keeps anything afterwards."""
+"""Speculative methods over real stage processes: exact output, and no stage keeps anything afterwards."""
 from __future__ import annotations
 
 import asyncio
@@ -6,34 +6,33 @@ import asyncio
 import pytest
 
 from coordinator.config import CoordinatorConfig
-from coordinator.local import LocalStages
 from coordinator.service import Coordinator, GenerateInput
 from reference import hf_greedy, prompts
+from stage_servers import local_processes
 
 NEW = 20
 
 
 @pytest.fixture(scope="module")
 def pipeline4(tiny_model8):
-    stages = LocalStages(4, model=str(tiny_model8))
-    stages.start()
-    try:
-        asyncio.run(stages.wait_ready(timeout_s=180))
+    with local_processes(str(tiny_model8), 4) as stages:
         yield stages
-    finally:
-        stages.stop()
 
 
-@pytest.mark.parametrize("draft, policy", [("quant", "best-first"), ("ngram", "layer")])
-async def test_specpipe_over_grpc_matches_transformers(pipeline4, tiny_model8, tiny_hf8, draft, policy):
+@pytest.mark.parametrize("method, draft, policy", [("specpipe", "quant", "best-first"), ("specpipe", "ngram", "layer"),
+                                                   ("specpipe", "quant", "hybrid"), ("sps", "quant", ""),
+                                                   ("tree", "quant", "")])
+async def test_speculative_methods_over_grpc_match_transformers(pipeline4, tiny_model8, tiny_hf8, method, draft,
+                                                                policy):
     coord = await Coordinator.connect(CoordinatorConfig(stages=tuple(pipeline4.addresses), model=str(tiny_model8),
-                                                        draft=draft, tree_policy=policy, width=4))
+                                                        draft=draft, tree_policy=policy or "hybrid", width=4,
+                                                        tree_nodes=8, tree_depth=3, topk=4))
     try:
         ps = prompts(3, seed=42)
 
         async def one(p):
             chunks = [c async for c in coord.generate(GenerateInput(prompt_token_ids=p, max_new_tokens=NEW,
-                                                                    method="specpipe", ignore_eos=True))]
+                                                                    method=method, ignore_eos=True))]
             return [t for c in chunks for t in c.token_ids], chunks[-1]
 
         for p, (ids, last) in zip(ps, await asyncio.gather(*(one(p) for p in ps))):

@@ -7,10 +7,10 @@ from coordinator.drafts.base import DraftSource
 from coordinator.schedulers.base import Scheduler
 from coordinator.schedulers.pp import PPScheduler
 from coordinator.schedulers.specpipe import SpecPipeScheduler
+from coordinator.schedulers.trip import make_sps, make_tree
 
-METHODS = ("pp", "specpipe")
-PLANNED = ("sps", "tree", "pipeinfer", "cb-pp")
-SPECULATIVE = ("specpipe",)
+METHODS = ("pp", "specpipe", "sps", "tree")
+PLANNED = ("pipeinfer", "cb-pp")
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,9 @@ class SpecOptions:
     width: int = 16
     policy: str = "hybrid"
     topk: int = 8
+    sps_k: int = 4            # sps: draft tokens per trip
+    tree_nodes: int = 32      # tree: nodes per trip
+    tree_depth: int = 6       # tree: expansion rounds per trip
 
 
 def make_scheduler(method: str, num_stages: int, spec: SpecOptions | None = None) -> Scheduler:
@@ -30,6 +33,12 @@ def make_scheduler(method: str, num_stages: int, spec: SpecOptions | None = None
         if spec.draft is None:
             raise ValueError("method 'specpipe' needs a draft source (--draft quant|ngram|model)")
         return SpecPipeScheduler(num_stages, spec.draft, spec.width, spec.policy, spec.topk)
+    if method in ("sps", "tree"):
+        if spec.draft is None:
+            raise ValueError(f"method {method!r} needs a draft source (--draft quant|ngram|model)")
+        if method == "sps":
+            return make_sps(num_stages, spec.draft, spec.sps_k)
+        return make_tree(num_stages, spec.draft, spec.tree_nodes, spec.tree_depth, spec.topk)
     known = ", ".join(METHODS)
     if method in PLANNED:
         raise ValueError(f"method {method!r} is not available in this build; available: {known}")

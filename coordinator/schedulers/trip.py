@@ -1,0 +1,82 @@
+"""Speculative decoding bolted onto a pipeline, one speculation per full trip (the baselines SpecPipe beats):
+
+- `sps`: a chain of k draft tokens (SpecInfer/Leviathan style), sent with the root, verified, repeat;
+- `tree`: a tree of up to N nodes grown best-first by cumulative draft log-probability in rounds of `topk`
+  (EAGLE-2 style: each round the draft expands the best candidates together), verified along the longest
+  accepted path, repeat.
+
+Each request has at most one micro-batch in flight: while it travels the S stages, S-1 of them idle — the
+narrow speculative window SpecPipe removes. Verification, commits, prunes and the draft's KV bookkeeping are
+SpecPipe's (this class only changes how a speculation is grown and when it is sent). Counters: `hits` are
+accepted draft tokens, `misses` the target's own (bonus) token that ends every trip.
+"""
+from __future__ import annotations
+
+from services.batch import Segment
+
+from coordinator.drafts.base import DraftSource
+from coordinator.schedulers.base import RequestState
+from coordinator.schedulers.specpipe import SpecPipeScheduler
+
+
+class TripScheduler(SpecPipeScheduler):
+    def __init__(self, num_stages: int, draft: DraftSource, budget: int, rounds: int, per_round: int,
+                 policy: str) -> None:
+        super().__init__(num_stages, draft, width=budget, policy=policy, topk=per_round)
+        if rounds < 1:
+            raise ValueError("a speculation needs at least one round")
+        self.budget, self.rounds, self.per_round = budget, rounds, per_round
+
+    def _fill(self, state: RequestState) -> None:
+        rid = state.request.request_id
+        if state.in_flight == 0 and rid not in self.pending:
+            self.pending[rid] = []                 # the speculation is grown in work(), off the event path
+
+    def work(self) -> None:
+        for rid in list(self.pending):
+            del self.pending[rid]
+            state, tree = self.requests[rid], self.trees[rid]
+            if rid not in self.begun:
+                self.begun.add(rid)
+                self._timed(state, self.draft.begin, rid, state.request.prompt_ids)
+            root = tree.root_node
+            if not root.expanded:                  # may overlap the prompt's trip
+                self._expand(state, tree, [root])
+            if state.in_flight:
+                continue                           # one speculation per trip: _fill asks again later
+            chosen = []
+            if not root.injected:                  # a bonus token: it travels with the speculation below it
+                root.injected = True
+                chosen.append(root)
+            max_depth = root.depth + state.request.max_new_tokens - len(state.generated)
+            grown = 0
+            for _ in range(self.rounds):
+                take = min(self.per_round, self.budget - grown)
+                picked = [tree.nodes[i] for i in tree.select(self.policy, take, max_depth)] if take > 0 else []
+                if not picked:
+                    break
+                grown += len(picked)
+                chosen += picked
+                self._expand(state, tree, [n for n in picked if n.token not in state.request.eos_ids])
+            if not chosen:
+                continue                           # nothing to verify: wait for the outstanding result
+            chosen.sort(key=lambda n: (n.depth, n.id))
+            parent = {tree.root: state.committed[-2]}
+            self._inject([Segment(rid, [n.id for n in chosen], [parent.get(n.id, n.parent) for n in chosen],
+                                  [n.depth for n in chosen], [n.token for n in chosen], [True] * len(chosen))])
+            state.count("nodes_injected", len(chosen))
+            state.count("trips")
+
+
+def make_sps(num_stages: int, draft: DraftSource, k: int) -> TripScheduler:
+    """A chain of k draft tokens per trip: one node per round, always below the deepest one."""
+    sched = TripScheduler(num_stages, draft, budget=k, rounds=k, per_round=1, policy="layer")
+    sched.name = "sps"
+    return sched
+
+
+def make_tree(num_stages: int, draft: DraftSource, nodes: int, depth: int, topk: int) -> TripScheduler:
+    """Up to `nodes` per trip, best-first, `depth` rounds of up to `topk` expansions."""
+    sched = TripScheduler(num_stages, draft, budget=nodes, rounds=depth, per_round=topk, policy="best-first")
+    sched.name = "tree"
+    return sched

@@ -1,0 +1,51 @@
+"""The trip-synchronous baselines `sps` (chain) and `tree` (EAGLE-2-style best-first tree) are lossless."""
+from __future__ import annotations
+
+import pytest
+
+from coordinator.drivers.inprocess import InProcessPipeline
+from coordinator.schedulers.base import Request
+from coordinator.schedulers.registry import SpecOptions, make_scheduler
+from reference import hf_greedy, prompts
+from test_shard import make_runners
+from test_specpipe import make_draft
+
+NEW = 16
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 4, 8])
+@pytest.mark.parametrize("method", ["sps", "tree"])
+@pytest.mark.parametrize("draft", ["quant", "ngram", "right", "wrong"])
+def test_trip_methods_match_transformers(tiny_model8, tiny_hf8, tiny_draft_model, num_stages, method, draft):
+    runners = make_runners(tiny_model8, num_stages, layers=8)
+    spec = SpecOptions(make_draft(draft, tiny_model8, tiny_draft_model), sps_k=3, tree_nodes=12, tree_depth=4,
+                       topk=4)
+    sched = make_scheduler(method, num_stages, spec)
+    ps = prompts(2, seed=100 + num_stages)
+    out = InProcessPipeline(runners).run(sched, [Request(f"r{i}", p, NEW) for i, p in enumerate(ps)])
+    for i, p in enumerate(ps):
+        o = out[f"r{i}"]
+        assert o.tokens == hf_greedy(tiny_hf8, p, NEW), (method, draft, num_stages, i)
+        if draft == "wrong":
+            assert o.stats["hits"] == 0 and o.stats["trips"] >= NEW - 1
+    assert all(not r.cache.requests for r in runners)
+
+
+def test_sps_with_a_perfect_draft_accepts_whole_chains(tiny_model8):
+    spec = SpecOptions(make_draft("right", tiny_model8, None), sps_k=4)
+    sched = make_scheduler("sps", 4, spec)
+    out = InProcessPipeline(make_runners(tiny_model8, 4, layers=8)).run(sched, [Request("r", [3, 4, 5], 20)])
+    s = out["r"].stats
+    # every trip commits its k=4 draft tokens plus the target's bonus token: 20 tokens in 4 trips
+    assert s["hits"] == 16 and s["misses"] == 4 and s["trips"] == 4
+    assert s["steps"] == 4 * (1 + 4)           # prompt trip + 4 speculation trips, S=4 steps each
+
+
+def test_one_trip_in_flight_per_request(tiny_model8):
+    spec = SpecOptions(make_draft("quant", tiny_model8, None), tree_nodes=8, tree_depth=3, topk=4)
+    sched = make_scheduler("tree", 4, spec)
+    seen = []
+    InProcessPipeline(make_runners(tiny_model8, 4, layers=8)).run(
+        sched, [Request("r", [3, 4, 5], 12)], on_tick=lambda: seen.append(sched.requests.get("r") and
+                                                                          sched.requests["r"].in_flight))
+    assert max(x for x in seen if x is not None) == 1
