@@ -1,5 +1,5 @@
 """`specpipe bench`: methods side by side over one local pipeline, interleaved prompt by prompt so that
-machine drift hits every method alike. Writes DIR/results.json and prints a table.
+machine drift hits every method alike. Writes DIR/results.json, PNG plots (coordinator/plots.py) and prints a table.
 
 Each variant (method, width, tree policy) runs every prompt alone (concurrency 1). Per variant it reports
 time between tokens (mean, p50, p90 over requests), time to first token, tokens per pipeline step, hit rate,
@@ -52,6 +52,7 @@ class BenchConfig:
     dtype: str = "float32"
     device: str = "cpu"
     threads: int = 1
+    hf_reference: bool = False         # also time transformers' generate / assisted generate in-process
     variants: list[Variant] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -69,8 +70,10 @@ def load_prompts(path: str, n: int) -> list[dict]:
         resources.files("coordinator").joinpath("data/prompts.jsonl").read_text()
     rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     for i, r in enumerate(rows):
-        if not isinstance(r.get("prompt"), str) or not r["prompt"]:
-            raise ValueError(f"prompt file line {i + 1}: needs a non-empty string field 'prompt'")
+        text_ok = isinstance(r.get("prompt"), str) and r["prompt"]
+        ids_ok = isinstance(r.get("prompt_token_ids"), list) and r["prompt_token_ids"]
+        if not (text_ok or ids_ok):
+            raise ValueError(f"prompt file line {i + 1}: needs a non-empty 'prompt' (text) or 'prompt_token_ids'")
     return rows[:n] if n > 0 else rows
 
 
@@ -138,14 +141,21 @@ async def run_bench(cfg: BenchConfig, log=print) -> dict:
         "variants": [v.label for v in cfg.variants], "num_prompts_used": len(prompts),
         "emulated_stage_time": cfg.stage_time_ms != "0", "machine_cores": _cores(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, "rows": out_rows}
+    if cfg.hf_reference:
+        from coordinator.hf_reference import hf_rows
+        log("  transformers reference (generate, assisted generate) in this process")
+        result["rows"] += hf_rows(cfg.model, cfg.draft, prompts, cfg.max_new_tokens, cfg.device, cfg.threads)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=2))
+    from coordinator.plots import plot
+    result["plots"] = [str(p) for p in plot(result, out)]
     return result
 
 
 async def _one(coordinator: Coordinator, v: Variant, prompt: dict, max_new: int) -> dict:
-    inp = GenerateInput(prompt=prompt["prompt"], raw=bool(prompt.get("raw", False)), max_new_tokens=max_new,
+    inp = GenerateInput(prompt=prompt.get("prompt", ""), prompt_token_ids=list(prompt.get("prompt_token_ids", [])),
+                        raw=bool(prompt.get("raw", False)), max_new_tokens=max_new,
                         method=v.method, ignore_eos=True, width=v.width, tree_policy=v.policy)
     last = None
     async for chunk in coordinator.generate(inp):
@@ -162,8 +172,9 @@ def table(result: dict) -> str:
         hit = f"{r['hit_rate']:.2f}" if r["hit_rate"] is not None else "-"
         flag = f"compute>{OVERRUN:.0%} of emulated at stages {r['compute_overrun_stages']}" \
             if r["compute_overrun_stages"] else ""
+        tps = f"{r['tokens_per_step']:.2f}" if r["tokens_per_step"] is not None else "-"
         lines.append(f"{r['stages']:>3} {r['label']:<28} {r['tbt_ms_mean']:>8.1f} {r['tbt_ms_p90']:>8.1f} "
-                     f"{r['ttft_ms_mean']:>8.0f} {r['tokens_per_step']:>9.2f} {hit:>6} "
+                     f"{r['ttft_ms_mean']:>8.0f} {tps:>9} {hit:>6} "
                      f"{r['throughput_tok_s']:>7.2f} {100 * r['draft_share']:>6.1f}%  {flag}")
     base = {r["stages"]: r["tbt_ms_mean"] for r in rows if r["method"] == "pp"}
     for r in rows:
@@ -185,7 +196,8 @@ def main_args(p) -> None:
     p.add_argument("--tree-policies", default="hybrid", help="comma-separated: layer,best-first,hybrid")
     p.add_argument("--stage-time-ms", default="120")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--prompts", default="", help="JSON lines file; default: the shipped prompt set")
+    p.add_argument("--prompts", default="", help="JSON lines {\"prompt\": ..., \"raw\": false} (or "
+                   "\"prompt_token_ids\"); default: the shipped prompt set")
     p.add_argument("--num-prompts", type=int, default=4, help="how many prompts to use (0 = all)")
     p.add_argument("--out", default="bench-out")
     p.add_argument("--model", default="default")
@@ -193,6 +205,8 @@ def main_args(p) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--hf-reference", action="store_true",
+                   help="also time transformers' generate and generate(assistant_model=<quant draft>) in-process")
 
 
 def config_from_args(a) -> BenchConfig:
@@ -201,7 +215,8 @@ def config_from_args(a) -> BenchConfig:
     return BenchConfig(stages=ints(a.stages), methods=strs(a.methods), widths=ints(a.widths),
                        policies=strs(a.tree_policies), stage_time_ms=a.stage_time_ms,
                        max_new_tokens=a.max_new_tokens, prompts=a.prompts, num_prompts=a.num_prompts,
-                       out=a.out, model=a.model, draft=a.draft, dtype=a.dtype, device=a.device, threads=a.threads)
+                       out=a.out, model=a.model, draft=a.draft, dtype=a.dtype, device=a.device, threads=a.threads,
+                       hf_reference=a.hf_reference)
 
 
 def log_stderr(msg: str) -> None:

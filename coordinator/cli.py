@@ -209,7 +209,7 @@ async def cmd_bench(args) -> int:
     cfg.model = await asyncio.to_thread(resolve_model, cfg.model, stderr_log)
     result = await run_bench(cfg, log=log_stderr)
     print(table(result))
-    print(f"results: {cfg.out}/results.json", file=sys.stderr)
+    print(f"results: {cfg.out}/results.json; plots: {', '.join(result.get('plots', []))}", file=sys.stderr)
     return 0
 
 

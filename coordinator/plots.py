@@ -1,0 +1,61 @@
+"""PNG plots of a bench results.json (matplotlib, Agg backend: no display needed)."""
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+
+def plot(result: dict, out_dir: str | Path) -> list[Path]:
+    """Write tbt.png (time between tokens per variant, one group per pipeline depth) and, when several depths
+    were run, tbt_vs_stages.png. Returns the files written."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    rows = result["rows"]
+    written: list[Path] = []
+    if not rows:
+        return written
+    stages = sorted({r["stages"] for r in rows})
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    emulated = result["config"].get("stage_time_ms", "0")
+    note = f"emulated stage time {emulated} ms" if result["config"].get("emulated_stage_time") else "no emulated time"
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(labels) * len(stages)), 4.5))
+    width = 0.8 / len(stages)
+    for si, s in enumerate(stages):
+        by = {r["label"]: r for r in rows if r["stages"] == s}
+        xs = [i + si * width for i, lab in enumerate(labels) if lab in by]
+        ys = [by[lab]["tbt_ms_mean"] for lab in labels if lab in by]
+        errs = [[0] * len(ys), [by[lab]["tbt_ms_p90"] - by[lab]["tbt_ms_mean"] for lab in labels if lab in by]]
+        ax.bar(xs, ys, width, yerr=errs, capsize=3, label=f"S={s}")
+    ax.set_xticks([i + width * (len(stages) - 1) / 2 for i in range(len(labels))], labels, rotation=30,
+                  ha="right")
+    ax.set_ylabel("time between tokens, ms (bar: mean, whisker: p90)")
+    ax.set_title(f"Time between tokens per method ({note})")
+    ax.legend()
+    fig.tight_layout()
+    written.append(out / "tbt.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+
+    if len(stages) > 1:
+        series: dict[str, list[tuple[int, float]]] = defaultdict(list)
+        for r in rows:
+            series[r["label"]].append((r["stages"], r["tbt_ms_mean"]))
+        fig, ax = plt.subplots(figsize=(6.5, 4.5))
+        for label, pts in series.items():
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(stages, [str(s) for s in stages])
+        ax.set_xlabel("pipeline stages S")
+        ax.set_ylabel("time between tokens, ms")
+        ax.set_title(f"Time between tokens against pipeline depth ({note})")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(out / "tbt_vs_stages.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    return written

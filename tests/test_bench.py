@@ -1,0 +1,54 @@
+"""`specpipe bench`: results.json holds the documented fields with values consistent with the run; plots are
+PNG files; the transformers reference rows are timed."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from coordinator.bench import BenchConfig, load_prompts, percentile, run_bench, table
+
+REQUIRED = {"method", "stages", "concurrency", "tbt_ms_mean", "tbt_ms_p50", "tbt_ms_p90", "ttft_ms_mean",
+            "tokens_per_step", "hit_rate", "throughput_tok_s", "steps", "tokens", "wall_s"}
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_percentile_and_prompt_file(tmp_path):
+    assert percentile([4.0, 1.0, 3.0, 2.0], 0.5) == 2.5 and percentile([5.0], 0.9) == 5.0
+    assert len(load_prompts("", 0)) >= 30                          # the shipped set
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": ""}\n')
+    with pytest.raises(ValueError, match="line 1"):
+        load_prompts(str(bad), 0)
+
+
+async def test_bench_runs_methods_side_by_side(tiny_model8, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt_token_ids": p}) for p in ([5, 6, 7], [9, 10])))
+    cfg = BenchConfig(stages=[2, 4], methods=["pp", "sps", "specpipe"], widths=[4], policies=["hybrid"],
+                      stage_time_ms="0", max_new_tokens=6, prompts=str(prompts), num_prompts=0,
+                      out=str(tmp_path / "out"), model=str(tiny_model8))
+    result = await run_bench(cfg, log=lambda m: None)
+    on_disk = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert on_disk["rows"] == result["rows"] and on_disk["config"]["num_prompts_used"] == 2
+    rows = {(r["label"], r["stages"]): r for r in result["rows"]}
+    assert set(rows) == {(v, s) for v in ("pp", "sps", "specpipe/hybrid/w4") for s in (2, 4)}
+    for r in rows.values():
+        assert REQUIRED <= set(r) and r["tokens"] == 12 and r["requests"] == 2
+        assert r["tbt_ms_p50"] <= r["tbt_ms_p90"] and r["wall_s"] > 0
+    for s in (2, 4):
+        assert rows[("pp", s)]["tokens_per_step"] == pytest.approx(1 / s)
+        assert rows[("pp", s)]["hit_rate"] is None and 0 <= rows[("specpipe/hybrid/w4", s)]["hit_rate"] <= 1
+    files = [tmp_path / "out" / "tbt.png", tmp_path / "out" / "tbt_vs_stages.png"]
+    assert all(f.read_bytes()[:8] == PNG for f in files)
+    assert "lower time between tokens than pp" in table(result)
+
+
+@pytest.mark.slow
+def test_hf_reference_rows(tmp_path):
+    from coordinator.hf_reference import hf_rows
+    from services.model.loader import ensure_default_model
+    rows = hf_rows(str(ensure_default_model()), "quant", [{"prompt": "Say hi.", "raw": False}], 6)
+    assert [r["label"] for r in rows] == ["hf-generate", "hf-assisted"]
+    for r in rows:
+        assert r["tokens"] == 6 and r["tbt_ms_mean"] > 0 and r["reference"] is True
