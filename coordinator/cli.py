@@ -23,7 +23,7 @@ EXAMPLES = """examples:
 
 def _generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="prompt text")
-    p.add_argument("--method", default="", help="specpipe, pp, sps or tree (default: the server's, specpipe)")
+    p.add_argument("--method", default="", help="specpipe, pp, sps, tree or pipeinfer (default: the server's, specpipe)")
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)

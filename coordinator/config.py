@@ -23,6 +23,8 @@ class CoordinatorConfig:
     sps_k: int = 4                       # sps: draft tokens per trip
     tree_nodes: int = 32                 # tree: nodes per trip
     tree_depth: int = 6                  # tree: expansion rounds per trip
+    pipeinfer_run: int = 4               # pipeinfer: draft tokens per speculative run
+    pipeinfer_min_prob: float = 0.1      # pipeinfer: end a run where the draft is less sure than this
     default_max_new_tokens: int = 128
     max_new_tokens_cap: int = 4096
     grace_s: float = 10.0
@@ -36,8 +38,12 @@ class CoordinatorConfig:
             host, _, port = addr.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"stage address {addr!r} is not HOST:PORT")
-        if min(self.width, self.topk, self.draft_threads, self.sps_k, self.tree_nodes, self.tree_depth) < 1:
-            raise ValueError("width, topk, draft_threads, sps_k, tree_nodes and tree_depth must be at least 1")
+        if min(self.width, self.topk, self.draft_threads, self.sps_k, self.tree_nodes, self.tree_depth,
+               self.pipeinfer_run) < 1:
+            raise ValueError("width, topk, draft_threads, sps_k, tree_nodes, tree_depth and pipeinfer_run "
+                             "must be at least 1")
+        if not 0.0 <= self.pipeinfer_min_prob < 1.0:
+            raise ValueError("pipeinfer_min_prob must be in [0, 1)")
         if self.tree_policy not in ("layer", "best-first", "hybrid"):
             raise ValueError(f"unknown tree policy {self.tree_policy!r}; choose layer, best-first or hybrid")
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_cap:
@@ -89,9 +95,13 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sps-k", type=int, default=d.sps_k, help="sps: draft tokens per trip")
     p.add_argument("--tree-nodes", type=int, default=d.tree_nodes, help="tree: nodes per trip")
     p.add_argument("--tree-depth", type=int, default=d.tree_depth, help="tree: expansion rounds per trip")
+    p.add_argument("--pipeinfer-run", type=int, default=d.pipeinfer_run, help="pipeinfer: draft tokens per run")
+    p.add_argument("--pipeinfer-min-prob", type=float, default=d.pipeinfer_min_prob,
+                   help="pipeinfer: end a run where the draft's probability falls below this")
 
 
 def spec_kwargs(a: argparse.Namespace) -> dict:
     return dict(draft=a.draft, draft_model=a.draft_model, draft_device=a.draft_device,
                 draft_threads=a.draft_threads, width=a.width, tree_policy=a.tree_policy, topk=a.topk,
-                sps_k=a.sps_k, tree_nodes=a.tree_nodes, tree_depth=a.tree_depth)
+                sps_k=a.sps_k, tree_nodes=a.tree_nodes, tree_depth=a.tree_depth, pipeinfer_run=a.pipeinfer_run,
+                pipeinfer_min_prob=a.pipeinfer_min_prob)

@@ -77,7 +77,7 @@ class Coordinator:
         draft = await asyncio.to_thread(build_draft, config.draft, config.model, config.draft_model,
                                         config.draft_device)
         spec = SpecOptions(draft, config.width, config.tree_policy, config.topk, config.sps_k, config.tree_nodes,
-                           config.tree_depth)
+                           config.tree_depth, config.pipeinfer_run, config.pipeinfer_min_prob)
         engine = Engine(pipeline, default_method=config.method, spec=spec)
         await engine.start()
         log.info("coordinator connected", stages=len(config.stages), vocab=info.vocab_size,

@@ -21,7 +21,7 @@ def pipeline4(tiny_model8):
 
 @pytest.mark.parametrize("method, draft, policy", [("specpipe", "quant", "best-first"), ("specpipe", "ngram", "layer"),
                                                    ("specpipe", "quant", "hybrid"), ("sps", "quant", ""),
-                                                   ("tree", "quant", "")])
+                                                   ("tree", "quant", ""), ("pipeinfer", "quant", "")])
 async def test_speculative_methods_over_grpc_match_transformers(pipeline4, tiny_model8, tiny_hf8, method, draft,
                                                                 policy):
     coord = await Coordinator.connect(CoordinatorConfig(stages=tuple(pipeline4.addresses), model=str(tiny_model8),

@@ -7,10 +7,10 @@ from coordinator.drafts.base import DraftSource
 from coordinator.schedulers.base import Scheduler
 from coordinator.schedulers.pp import PPScheduler
 from coordinator.schedulers.specpipe import SpecPipeScheduler
-from coordinator.schedulers.trip import make_sps, make_tree
+from coordinator.schedulers.trip import make_pipeinfer, make_sps, make_tree
 
-METHODS = ("pp", "specpipe", "sps", "tree")
-PLANNED = ("pipeinfer", "cb-pp")
+METHODS = ("pp", "specpipe", "sps", "tree", "pipeinfer")
+PLANNED = ("cb-pp",)
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,8 @@ class SpecOptions:
     sps_k: int = 4            # sps: draft tokens per trip
     tree_nodes: int = 32      # tree: nodes per trip
     tree_depth: int = 6       # tree: expansion rounds per trip
+    pipeinfer_run: int = 4    # pipeinfer: draft tokens per speculative run
+    pipeinfer_min_prob: float = 0.1   # pipeinfer: stop a run where the draft is less sure than this
 
 
 def make_scheduler(method: str, num_stages: int, spec: SpecOptions | None = None) -> Scheduler:
@@ -33,11 +35,13 @@ def make_scheduler(method: str, num_stages: int, spec: SpecOptions | None = None
         if spec.draft is None:
             raise ValueError("method 'specpipe' needs a draft source (--draft quant|ngram|model)")
         return SpecPipeScheduler(num_stages, spec.draft, spec.width, spec.policy, spec.topk)
-    if method in ("sps", "tree"):
+    if method in ("sps", "tree", "pipeinfer"):
         if spec.draft is None:
             raise ValueError(f"method {method!r} needs a draft source (--draft quant|ngram|model)")
         if method == "sps":
             return make_sps(num_stages, spec.draft, spec.sps_k)
+        if method == "pipeinfer":
+            return make_pipeinfer(num_stages, spec.draft, spec.pipeinfer_run, spec.pipeinfer_min_prob)
         return make_tree(num_stages, spec.draft, spec.tree_nodes, spec.tree_depth, spec.topk)
     known = ", ".join(METHODS)
     if method in PLANNED:

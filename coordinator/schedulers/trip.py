@@ -12,6 +12,8 @@ accepted draft tokens, `misses` the target's own (bonus) token that ends every t
 """
 from __future__ import annotations
 
+import math
+
 from services.batch import Segment
 
 from coordinator.drafts.base import DraftSource
@@ -21,15 +23,23 @@ from coordinator.schedulers.specpipe import SpecPipeScheduler
 
 class TripScheduler(SpecPipeScheduler):
     def __init__(self, num_stages: int, draft: DraftSource, budget: int, rounds: int, per_round: int,
-                 policy: str) -> None:
+                 policy: str, max_in_flight: int = 1, bonus_alone: bool = False, min_prob: float = 0.0) -> None:
         super().__init__(num_stages, draft, width=budget, policy=policy, topk=per_round)
-        if rounds < 1:
-            raise ValueError("a speculation needs at least one round")
+        if rounds < 1 or max_in_flight < 1:
+            raise ValueError("a speculation needs at least one round and one micro-batch in flight")
         self.budget, self.rounds, self.per_round = budget, rounds, per_round
+        self.max_in_flight, self.bonus_alone = max_in_flight, bonus_alone
+        self.min_logp = math.log(min_prob) if min_prob > 0 else -math.inf
 
     def _fill(self, state: RequestState) -> None:
         rid = state.request.request_id
-        if state.in_flight == 0 and rid not in self.pending:
+        tree = self.trees[rid]
+        if self.bonus_alone and not tree.root_node.injected:      # PipeInfer's non-speculative run
+            root = tree.root_node
+            root.injected = True
+            self._inject([Segment(rid, [root.id], [state.committed[-2]], [root.depth], [root.token], [True])])
+            state.count("nodes_injected")
+        if state.in_flight < self.max_in_flight and rid not in self.pending:
             self.pending[rid] = []                 # the speculation is grown in work(), off the event path
 
     def work(self) -> None:
@@ -42,8 +52,8 @@ class TripScheduler(SpecPipeScheduler):
             root = tree.root_node
             if not root.expanded:                  # may overlap the prompt's trip
                 self._expand(state, tree, [root])
-            if state.in_flight:
-                continue                           # one speculation per trip: _fill asks again later
+            if state.in_flight >= self.max_in_flight:
+                continue                           # the pipeline is full: _fill asks again after a result
             chosen = []
             if not root.injected:                  # a bonus token: it travels with the speculation below it
                 root.injected = True
@@ -53,6 +63,11 @@ class TripScheduler(SpecPipeScheduler):
             for _ in range(self.rounds):
                 take = min(self.per_round, self.budget - grown)
                 picked = [tree.nodes[i] for i in tree.select(self.policy, take, max_depth)] if take > 0 else []
+                if self.min_logp > -math.inf and picked and grown:     # confidence cut-off (PipeInfer)
+                    weak = [n for n in picked if n.score - tree.nodes[n.parent].score < self.min_logp]
+                    for n in weak:
+                        n.injected = False
+                    picked = [n for n in picked if n not in weak]
                 if not picked:
                     break
                 grown += len(picked)
@@ -66,12 +81,28 @@ class TripScheduler(SpecPipeScheduler):
                                   [n.depth for n in chosen], [n.token for n in chosen], [True] * len(chosen))])
             state.count("nodes_injected", len(chosen))
             state.count("trips")
+            if state.in_flight < self.max_in_flight:
+                self.pending[rid] = []             # room for another run (pipeinfer)
 
 
 def make_sps(num_stages: int, draft: DraftSource, k: int) -> TripScheduler:
     """A chain of k draft tokens per trip: one node per round, always below the deepest one."""
     sched = TripScheduler(num_stages, draft, budget=k, rounds=k, per_round=1, policy="layer")
     sched.name = "sps"
+    return sched
+
+
+def make_pipeinfer(num_stages: int, draft: DraftSource, run_len: int, min_prob: float) -> TripScheduler:
+    """PipeInfer (arXiv 2407.11798) over our stage protocol: continuous asynchronous speculation — while fewer
+    than S micro-batches are in flight, a speculative run of up to `run_len` chained draft tokens continues
+    from the previous run's last token, cut short where the draft's probability falls below `min_prob` —,
+    a one-token non-speculative run of the target's own token right after every miss, and early
+    cancellation (a miss prunes every run below it at every stage; rows not yet computed are skipped; a
+    running step is not aborted). Greedy verification is match-the-target's-token (PipeInfer's
+    sample-then-match), so it is exact."""
+    sched = TripScheduler(num_stages, draft, budget=run_len, rounds=run_len, per_round=1, policy="layer",
+                          max_in_flight=num_stages, bonus_alone=True, min_prob=min_prob)
+    sched.name = "pipeinfer"
     return sched
 
 
