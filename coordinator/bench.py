@@ -145,10 +145,15 @@ async def run_bench(cfg: BenchConfig, log=print) -> dict:
         from coordinator.hf_reference import hf_rows
         log("  transformers reference (generate, assisted generate) in this process")
         result["rows"] += hf_rows(cfg.model, cfg.draft, prompts, cfg.max_new_tokens, cfg.device, cfg.threads)
-    out = Path(cfg.out)
+    return write_results(result, cfg.out)
+
+
+def write_results(result: dict, out_dir: str) -> dict:
+    """DIR/results.json and the PNG plots."""
+    from coordinator.plots import plot
+    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=2))
-    from coordinator.plots import plot
     result["plots"] = [str(p) for p in plot(result, out)]
     return result
 
@@ -205,6 +210,8 @@ def main_args(p) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--simulate", action="store_true",
+                   help="simulated clock: real model outputs, modelled stage time (fast sweeps of S)")
     p.add_argument("--hf-reference", action="store_true",
                    help="also time transformers' generate and generate(assistant_model=<quant draft>) in-process")
 

@@ -207,7 +207,12 @@ async def cmd_bench(args) -> int:
 
     cfg = config_from_args(args)
     cfg.model = await asyncio.to_thread(resolve_model, cfg.model, stderr_log)
-    result = await run_bench(cfg, log=log_stderr)
+    if args.simulate:
+        from coordinator.bench import write_results
+        from coordinator.bench_sim import run_simulated
+        result = write_results(await asyncio.to_thread(run_simulated, cfg, log=log_stderr), cfg.out)
+    else:
+        result = await run_bench(cfg, log=log_stderr)
     print(table(result))
     print(f"results: {cfg.out}/results.json; plots: {', '.join(result.get('plots', []))}", file=sys.stderr)
     return 0

@@ -52,3 +52,18 @@ def test_hf_reference_rows(tmp_path):
     assert [r["label"] for r in rows] == ["hf-generate", "hf-assisted"]
     for r in rows:
         assert r["tokens"] == 6 and r["tbt_ms_mean"] > 0 and r["reference"] is True
+
+
+def test_simulated_clock_matches_the_latency_model(tiny_model8, tmp_path):
+    """pp on the simulated clock: every token is one trip of S stages of `a` ms plus S+1 hops, by hand:
+    S=4, a=10 ms, hop 0.3 ms -> 4 * 10 + 5 * 0.3 = 41.5 ms between tokens, and the same to the first token."""
+    from coordinator.bench_sim import run_simulated
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_token_ids": [5, 6, 7]}))
+    cfg = BenchConfig(stages=[4], methods=["pp", "specpipe"], widths=[4], policies=["hybrid"],
+                      stage_time_ms="10", max_new_tokens=8, prompts=str(prompts), num_prompts=0,
+                      out=str(tmp_path / "o"), model=str(tiny_model8), draft="quant")
+    rows = {r["label"]: r for r in run_simulated(cfg, hop_ms=0.3, log=lambda m: None)["rows"]}
+    assert rows["pp"]["tbt_ms_mean"] == pytest.approx(41.5) and rows["pp"]["ttft_ms_mean"] == pytest.approx(41.5)
+    assert rows["pp"]["tokens_per_step"] == pytest.approx(0.25) and rows["pp"]["simulated"] is True
+    assert rows["specpipe/hybrid/w4"]["tokens"] == 8

@@ -1,0 +1,130 @@
+"""Driver 3: a simulated clock. Real stage runners compute every micro-batch (so outputs, hits and misses are
+the real ones), but time comes from a latency model instead of waiting, so pipelines of 8–64 stages can be
+studied on a small machine in minutes.
+
+Model (all in milliseconds):
+- stage i takes `a + b * rows` per micro-batch (the emulated stage time), one micro-batch at a time, FIFO;
+- each hop (coordinator -> stage 0, stage -> stage, last stage -> coordinator) adds `hop_ms`;
+- the coordinator handles one event at a time; the actions an event produces leave when it is handled, then
+  the scheduler's deferred draft work runs for the draft compute time it really took (measured), times
+  `draft_scale`, and its actions leave after that — as in the gRPC engine;
+- control messages reach every stage at once.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.batch import MicroBatch
+from services.runner import StageRunner
+
+from coordinator.schedulers.base import Broadcast, Emit, Finish, Inject, Request, Scheduler
+
+
+@dataclass
+class SimOutcome:
+    tokens: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)     # ms on the simulated clock
+    reason: str = ""
+    stats: dict[str, float] = field(default_factory=dict)
+    start_ms: float = 0.0
+    end_ms: float = 0.0
+
+    @property
+    def tbt_ms(self) -> float:
+        t = self.token_times
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else 0.0
+
+    @property
+    def ttft_ms(self) -> float:
+        return self.token_times[0] - self.start_ms if self.token_times else 0.0
+
+
+class SimulatedPipeline:
+    def __init__(self, runners: list[StageRunner], stage_ms: tuple[float, float], num_stages: int | None = None,
+                 hop_ms: float = 0.3, draft_scale: float = 1.0) -> None:
+        """`runners` compute, in order, at the first len(runners) of `num_stages` simulated stages; the other
+        stages only take time. One runner holding every layer is the cheapest way to simulate deep pipelines
+        (SmolLM2 has 30 layers, so S=32 cannot be split for real)."""
+        num_stages = num_stages or len(runners)
+        if not runners or num_stages < len(runners):
+            raise ValueError("need at least one runner and no more runners than stages")
+        self.runners, self.stage_ms, self.hop_ms, self.draft_scale = runners, stage_ms, hop_ms, draft_scale
+        self.num_stages = num_stages
+
+    def run(self, scheduler: Scheduler, requests: list[Request], draft=None) -> dict[str, SimOutcome]:
+        """Run requests (all arriving at time 0, in order) to completion on the simulated clock. `draft` is
+        the scheduler's draft source, whose measured compute time is charged to the coordinator."""
+        S = self.num_stages
+        events: list = []
+        seq = itertools.count()
+        queues: list[deque[MicroBatch]] = [deque() for _ in range(S)]
+        busy = [False] * S
+        coord_free = 0.0
+        out = {r.request_id: SimOutcome() for r in requests}
+        live = set(out)
+
+        def push(t: float, kind: str, payload) -> None:
+            heapq.heappush(events, (t, next(seq), kind, payload))
+
+        def dispatch(t: float) -> None:
+            for action in scheduler.poll():
+                if isinstance(action, Inject):
+                    push(t + self.hop_ms, "arrive", (0, action.batch))
+                elif isinstance(action, Broadcast):
+                    for r in self.runners:             # control reaches every stage at once
+                        r.apply(action.control)
+                elif isinstance(action, Emit):
+                    o = out[action.request_id]
+                    o.tokens.extend(action.token_ids)
+                    o.token_times.extend([t] * len(action.token_ids))
+                elif isinstance(action, Finish):
+                    o = out[action.request_id]
+                    o.reason, o.stats, o.end_ms = action.reason, action.stats, t
+                    live.discard(action.request_id)
+
+        def handle(t: float, fn, *args) -> float:
+            """The coordinator handles one event at t; returns when it is free again."""
+            fn(*args)
+            dispatch(t)
+            while scheduler.has_work:
+                before = draft.compute_s if draft is not None else 0.0
+                scheduler.work()
+                spent = ((draft.compute_s - before) * 1e3 * self.draft_scale) if draft is not None else 0.0
+                t += spent
+                dispatch(t)
+            return t
+
+        for r in requests:
+            coord_free = handle(coord_free, scheduler.add, r)
+        def start(i: int, t: float) -> None:
+            """Stage i takes its next micro-batch at t; rows pruned by then are dropped, as on a real stage."""
+            busy[i] = True
+            batch = queues[i].popleft()
+            if i < len(self.runners):
+                result = self.runners[i].step(batch)
+                rows = result.trace[-1].rows_computed
+            else:                                      # a timing-only stage
+                result, rows = batch, batch.rows
+            push(t + self.stage_ms[0] + self.stage_ms[1] * rows, "done", (i, result))
+
+        while events and live:
+            t, _, kind, payload = heapq.heappop(events)
+            if kind == "arrive":
+                i, batch = payload
+                queues[i].append(batch)
+                if not busy[i]:
+                    start(i, t)
+            elif kind == "done":
+                i, result = payload
+                busy[i] = False
+                push(t + self.hop_ms, "arrive" if i + 1 < S else "result", (i + 1, result) if i + 1 < S else result)
+                if queues[i]:
+                    start(i, t)
+            elif kind == "result":
+                coord_free = handle(max(t, coord_free), scheduler.on_result, payload)
+        if live:
+            raise RuntimeError(f"simulation ended with requests still running: {sorted(live)}")
+        return out
