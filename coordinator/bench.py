@@ -30,10 +30,21 @@ class Variant:
     method: str
     width: int | None = None
     policy: str | None = None
+    extra: tuple[tuple[str, int], ...] = ()     # other SpecOptions fields, e.g. (("sps_k", 4),)
 
     @property
     def label(self) -> str:
-        return self.method if self.width is None else f"{self.method}/{self.policy}/w{self.width}"
+        base = self.method if self.width is None else f"{self.method}/{self.policy}/w{self.width}"
+        return base + "".join(f"/{k.split('_')[-1]}{v}" for k, v in self.extra)
+
+    def overrides(self) -> dict:
+        """SpecOptions fields this variant sets (the rest keep the server's settings)."""
+        out = dict(self.extra)
+        if self.width is not None:
+            out["width"] = self.width
+        if self.policy is not None:
+            out["policy"] = self.policy
+        return out
 
 
 @dataclass
@@ -53,6 +64,8 @@ class BenchConfig:
     device: str = "cpu"
     threads: int = 1
     hf_reference: bool = False         # also time transformers' generate / assisted generate in-process
+    sps_ks: list[int] = field(default_factory=list)                    # sweep of sps k (empty: default)
+    tree_shapes: list[tuple[int, int]] = field(default_factory=list)   # sweep of tree (nodes, depth)
     variants: list[Variant] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -61,6 +74,11 @@ class BenchConfig:
             for m in self.methods:
                 if m == "specpipe":
                     self.variants += [Variant(m, w, p) for p in self.policies for w in self.widths]
+                elif m == "sps" and self.sps_ks:
+                    self.variants += [Variant(m, extra=(("sps_k", k),)) for k in self.sps_ks]
+                elif m == "tree" and self.tree_shapes:
+                    self.variants += [Variant(m, extra=(("tree_nodes", n), ("tree_depth", d)))
+                                      for n, d in self.tree_shapes]
                 else:
                     self.variants.append(Variant(m))
 
@@ -161,7 +179,7 @@ def write_results(result: dict, out_dir: str) -> dict:
 async def _one(coordinator: Coordinator, v: Variant, prompt: dict, max_new: int) -> dict:
     inp = GenerateInput(prompt=prompt.get("prompt", ""), prompt_token_ids=list(prompt.get("prompt_token_ids", [])),
                         raw=bool(prompt.get("raw", False)), max_new_tokens=max_new,
-                        method=v.method, ignore_eos=True, width=v.width, tree_policy=v.policy)
+                        method=v.method, ignore_eos=True, spec_overrides=v.overrides())
     last = None
     async for chunk in coordinator.generate(inp):
         last = chunk
@@ -210,6 +228,9 @@ def main_args(p) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--sps-k", default="", help="comma-separated k values to sweep for sps")
+    p.add_argument("--tree-nodes", default="", help="comma-separated node budgets to sweep for tree")
+    p.add_argument("--tree-depth", default="", help="comma-separated depths to sweep for tree (with --tree-nodes)")
     p.add_argument("--simulate", action="store_true",
                    help="simulated clock: real model outputs, modelled stage time (fast sweeps of S)")
     p.add_argument("--hf-reference", action="store_true",
@@ -223,7 +244,8 @@ def config_from_args(a) -> BenchConfig:
                        policies=strs(a.tree_policies), stage_time_ms=a.stage_time_ms,
                        max_new_tokens=a.max_new_tokens, prompts=a.prompts, num_prompts=a.num_prompts,
                        out=a.out, model=a.model, draft=a.draft, dtype=a.dtype, device=a.device, threads=a.threads,
-                       hf_reference=a.hf_reference)
+                       hf_reference=a.hf_reference, sps_ks=ints(a.sps_k),
+                       tree_shapes=[(n, d) for n in ints(a.tree_nodes) for d in ints(a.tree_depth or "6")])
 
 
 def log_stderr(msg: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import replace
 
 import torch
 
@@ -42,7 +43,7 @@ def run_simulated(cfg: BenchConfig, hop_ms: float = 0.3, log=print) -> dict:
         runs: dict[Variant, list[dict]] = {v: [] for v in cfg.variants}
         for pi, prompt in enumerate(token_ids):
             for v in cfg.variants:
-                spec = SpecOptions(draft, width=v.width or 16, policy=v.policy or "hybrid")
+                spec = replace(SpecOptions(draft), **v.overrides())
                 sched = make_scheduler(v.method, num_stages, spec)
                 pipe = SimulatedPipeline([runner], stage_time, num_stages=num_stages, hop_ms=hop_ms)
                 rid = f"sim{next(ids)}"

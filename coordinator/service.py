@@ -39,8 +39,7 @@ class GenerateInput:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     request_id: str = ""          # chosen by the caller (the API binds it to its logs) or generated
-    width: int | None = None      # speculation overrides (benchmarks); None = the server's setting
-    tree_policy: str | None = None
+    spec_overrides: dict | None = None   # SpecOptions fields to change for this request (benchmarks)
 
 
 @dataclass
@@ -105,10 +104,7 @@ class Coordinator:
                      inp.temperature, inp.top_p, inp.top_k, inp.stop, inp.ignore_eos, self.limits)
 
     def _spec(self, inp: GenerateInput) -> SpecOptions | None:
-        if inp.width is None and inp.tree_policy is None:
-            return None
-        base = self.engine.spec
-        return replace(base, width=inp.width or base.width, policy=inp.tree_policy or base.policy)
+        return replace(self.engine.spec, **inp.spec_overrides) if inp.spec_overrides else None
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[Chunk]:
         params = self.prepare(inp)

@@ -27,12 +27,12 @@ async def test_bench_runs_methods_side_by_side(tiny_model8, tmp_path):
     prompts.write_text("\n".join(json.dumps({"prompt_token_ids": p}) for p in ([5, 6, 7], [9, 10])))
     cfg = BenchConfig(stages=[2, 4], methods=["pp", "sps", "specpipe"], widths=[4], policies=["hybrid"],
                       stage_time_ms="0", max_new_tokens=6, prompts=str(prompts), num_prompts=0,
-                      out=str(tmp_path / "out"), model=str(tiny_model8))
+                      out=str(tmp_path / "out"), model=str(tiny_model8), sps_ks=[2, 3])
     result = await run_bench(cfg, log=lambda m: None)
     on_disk = json.loads((tmp_path / "out" / "results.json").read_text())
     assert on_disk["rows"] == result["rows"] and on_disk["config"]["num_prompts_used"] == 2
     rows = {(r["label"], r["stages"]): r for r in result["rows"]}
-    assert set(rows) == {(v, s) for v in ("pp", "sps", "specpipe/hybrid/w4") for s in (2, 4)}
+    assert set(rows) == {(v, s) for v in ("pp", "sps/k2", "sps/k3", "specpipe/hybrid/w4") for s in (2, 4)}
     for r in rows.values():
         assert REQUIRED <= set(r) and r["tokens"] == 12 and r["requests"] == 2
         assert r["tbt_ms_p50"] <= r["tbt_ms_p90"] and r["wall_s"] > 0
