@@ -126,6 +126,8 @@ def summarize(variant: Variant, stages: int, runs: list[dict], stage_time: tuple
             "throughput_tok_s": tokens / wall if wall else 0.0, "steps": steps, "tokens": tokens, "wall_s": wall,
             "draft_share": sum(r.get("draft_ms", 0.0) for r in runs) / (wall * 1e3) if wall else 0.0,
             "rows_per_step": rows, "stage_compute_ms": compute, "emulated_stage_ms": emulated,
+            "overhead_share": _mean([r["overhead_share"] for r in runs if "overhead_share" in r]),
+            "overhead_ms_per_trip": _mean([r["overhead_ms_mean"] for r in runs if "overhead_ms_mean" in r]),
             "compute_overrun_stages": flagged}
 
 
@@ -189,22 +191,27 @@ async def _one(coordinator: Coordinator, v: Variant, prompt: dict, max_new: int)
 def table(result: dict) -> str:
     rows = result["rows"]
     head = f"{'S':>3} {'variant':<28} {'tbt ms':>8} {'p90':>8} {'ttft ms':>8} {'tok/step':>9} {'hit':>6} " \
-           f"{'tok/s':>7} {'draft%':>7}  flags"
+           f"{'tok/s':>7} {'draft%':>7} {'ovh%':>6}  flags"
     lines = [head, "-" * len(head)]
     for r in rows:
         hit = f"{r['hit_rate']:.2f}" if r["hit_rate"] is not None else "-"
         flag = f"compute>{OVERRUN:.0%} of emulated at stages {r['compute_overrun_stages']}" \
             if r["compute_overrun_stages"] else ""
         tps = f"{r['tokens_per_step']:.2f}" if r["tokens_per_step"] is not None else "-"
+        ovh = f"{100 * r['overhead_share']:.1f}%" if r.get("overhead_share") is not None else "-"
         lines.append(f"{r['stages']:>3} {r['label']:<28} {r['tbt_ms_mean']:>8.1f} {r['tbt_ms_p90']:>8.1f} "
                      f"{r['ttft_ms_mean']:>8.0f} {tps:>9} {hit:>6} "
-                     f"{r['throughput_tok_s']:>7.2f} {100 * r['draft_share']:>6.1f}%  {flag}")
+                     f"{r['throughput_tok_s']:>7.2f} {100 * r['draft_share']:>6.1f}% {ovh:>6}  {flag}")
     base = {r["stages"]: r["tbt_ms_mean"] for r in rows if r["method"] == "pp"}
     for r in rows:
         if r["method"] != "pp" and r["stages"] in base and r["tbt_ms_mean"]:
             lines.append(f"    S={r['stages']} {r['label']}: {base[r['stages']] / r['tbt_ms_mean']:.2f}x lower "
                          "time between tokens than pp")
     return "\n".join(lines)
+
+
+def _mean(xs: list[float]) -> float | None:
+    return statistics.fmean(xs) if xs else None
 
 
 def _cores() -> int:

@@ -45,6 +45,9 @@ class _Live:
     submitted: float
     token_times: list[float] = field(default_factory=list)
     tokens: int = 0
+    rtt_ms: float = 0.0         # inject -> result, summed over this request's own micro-batches
+    busy_ms: float = 0.0        # of which stages computed or waited out emulated time
+    trips: int = 0
 
 
 class Engine:
@@ -58,6 +61,7 @@ class Engine:
         self._schedulers: dict[tuple[str, SpecOptions], Scheduler] = {}
         self._live: dict[str, _Live] = {}
         self._owner: dict[int, tuple[Scheduler, int]] = {}     # wire batch id -> (scheduler, its batch id)
+        self._sent_at: dict[int, float] = {}                    # wire batch id -> when it was injected
         self._batch_ids = itertools.count(1)
         self._work: asyncio.Queue = asyncio.Queue()
         self._lock = asyncio.Lock()
@@ -136,6 +140,7 @@ class Engine:
                     wire_id = next(self._batch_ids)
                     self._owner[wire_id] = (sched, action.batch.batch_id)
                     action.batch.batch_id = wire_id
+                    self._sent_at[wire_id] = time.perf_counter()
                     await self.transport.inject(action.batch)
                 elif isinstance(action, Broadcast):
                     await self.transport.broadcast(action.control)
@@ -151,14 +156,27 @@ class Engine:
         try:
             async for batch in self.transport.results():
                 owner = self._owner.pop(batch.batch_id, None)
+                sent = self._sent_at.pop(batch.batch_id, None)
                 if owner is None:
                     continue
+                self._account(batch, sent)
                 sched, local_id = owner
                 batch.batch_id = local_id
                 await self._call(sched, sched.on_result, batch)
         except Exception as e:
             log.error("pipeline results failed", error=str(e))
             self._fail_all(e)
+
+    def _account(self, batch: MicroBatch, sent: float | None) -> None:
+        """Round trip of a one-request micro-batch against the time stages spent on it: the rest is the
+        coordinator, the transport and queueing."""
+        rids = {s.request_id for s in batch.segments}
+        live = self._live.get(next(iter(rids))) if len(rids) == 1 else None
+        if live is None or sent is None:
+            return
+        live.rtt_ms += (time.perf_counter() - sent) * 1e3
+        live.busy_ms += sum(t.compute_ms + t.wait_ms for t in batch.trace)
+        live.trips += 1
 
     def _emit(self, action: Emit) -> None:
         live = self._live.get(action.request_id)
@@ -178,6 +196,10 @@ class Engine:
         stats["wall_ms"] = (now - live.submitted) * 1e3
         stats["ttft_ms"] = (times[0] - live.submitted) * 1e3 if times else 0.0
         stats["tbt_ms"] = (times[-1] - times[0]) * 1e3 / (live.tokens - 1) if live.tokens > 1 else 0.0
+        if live.trips:
+            stats["rtt_ms_mean"] = live.rtt_ms / live.trips
+            stats["overhead_ms_mean"] = (live.rtt_ms - live.busy_ms) / live.trips
+            stats["overhead_share"] = (live.rtt_ms - live.busy_ms) / live.rtt_ms if live.rtt_ms else 0.0
         if "draft_ms" in stats:
             stats["draft_share"] = stats["draft_ms"] / stats["wall_ms"] if stats["wall_ms"] else 0.0
         log.debug("request finished", request_id=action.request_id, reason=action.reason, **stats)

@@ -36,6 +36,7 @@ async def test_bench_runs_methods_side_by_side(tiny_model8, tmp_path):
     for r in rows.values():
         assert REQUIRED <= set(r) and r["tokens"] == 12 and r["requests"] == 2
         assert r["tbt_ms_p50"] <= r["tbt_ms_p90"] and r["wall_s"] > 0
+        assert 0.0 <= r["overhead_share"] < 1.0 and r["overhead_ms_per_trip"] >= 0.0
     for s in (2, 4):
         assert rows[("pp", s)]["tokens_per_step"] == pytest.approx(1 / s)
         assert rows[("pp", s)]["hit_rate"] is None and 0 <= rows[("specpipe/hybrid/w4", s)]["hit_rate"] <= 1
