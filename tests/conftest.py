@@ -33,10 +33,15 @@ def tiny_model(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama4")
 
 
+def reference_model(path: Path):
+    """transformers' own model (the ground truth), fp32."""
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
 @pytest.fixture(scope="session")
 def tiny_hf(tiny_model):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    return reference_model(tiny_model)
 
 
 @pytest.fixture(scope="session")
@@ -47,8 +52,7 @@ def tiny_model8(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_hf8(tiny_model8):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(tiny_model8, dtype=torch.float32).eval()
+    return reference_model(tiny_model8)
 
 
 @pytest.fixture(scope="session")
