@@ -76,6 +76,10 @@ class Engine:
         for rid in list(self._live):
             self.cancel(rid)
         await asyncio.gather(*self._background, return_exceptions=True)
+        try:                                   # let the release broadcasts reach the stages
+            await asyncio.wait_for(self._work.join(), timeout=5)
+        except asyncio.TimeoutError:
+            log.warning("closing with undelivered actions", left=self._work.qsize())
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -105,6 +109,9 @@ class Engine:
         live = self._live[rid] = _Live(sched, asyncio.Queue(), time.perf_counter())
         try:
             await self._call(sched, sched.add, Request(rid, list(prompt_ids), max_new_tokens, eos_ids))
+        except asyncio.CancelledError:      # the client left while the request was being added
+            self.cancel(rid)
+            raise
         except BaseException:
             self._live.pop(rid, None)
             raise
@@ -119,8 +126,12 @@ class Engine:
 
     async def _call(self, sched: Scheduler, fn, *args):
         async with self._lock:
+            job = asyncio.ensure_future(asyncio.to_thread(fn, *args))
             try:
-                return await asyncio.to_thread(fn, *args)
+                return await asyncio.shield(job)
+            except asyncio.CancelledError:
+                await asyncio.wait([job])   # the thread still owns the scheduler: keep the lock until it ends
+                raise
             finally:
                 for action in sched.poll():
                     self._work.put_nowait((sched, action))
@@ -131,6 +142,7 @@ class Engine:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        task.add_done_callback(_log_failure)
 
     async def _execute(self) -> None:
         while True:
@@ -151,6 +163,8 @@ class Engine:
             except Exception as e:   # a broken transport fails every request, not the process
                 log.error("pipeline transport failed", error=str(e))
                 self._fail_all(e)
+            finally:
+                self._work.task_done()
 
     async def _pump(self) -> None:
         try:
@@ -215,3 +229,8 @@ class Engine:
         if first:
             for rid in list(self._live):
                 self.cancel(rid)
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("background scheduler call failed", error=repr(task.exception()))

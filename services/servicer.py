@@ -75,6 +75,10 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             except (CodecError, BatchError) as e:
                 self.log.warning("micro-batch rejected", batch_id=msg.batch_id, error=str(e))
                 return _rejected(msg, str(e), self.config.stage)
+            except Exception as e:   # e.g. out of memory: fail the requests in it, keep the stream and stage
+                self.log.error("micro-batch failed", batch_id=msg.batch_id, error=repr(e))
+                return _rejected(msg, f"stage failed to compute: {e!r}", self.config.stage,
+                                 code=grpc.StatusCode.INTERNAL)
             if a_ms or b_ms:
                 rows = out.trace[-1].rows_computed
                 remaining = (a_ms + b_ms * rows) / 1e3 - (time.perf_counter() - started)
@@ -96,7 +100,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 else:
                     self._subscriber.put_nowait(msg)
                 continue
-            for attempt in range(2):
+            for attempt in range(5):
                 try:
                     if call is None:
                         call = self._open_forward()
@@ -104,8 +108,12 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     break
                 except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as e:
                     self.log.warning("forward to next hop failed", next_hop=self._next_hop, attempt=attempt,
-                                error=str(e))
+                                     error=str(e))
                     call = None
+                    await asyncio.sleep(0.05 * 2 ** attempt)
+            else:
+                self.log.error("micro-batch lost: next hop unreachable", batch_id=msg.batch_id,
+                               next_hop=self._next_hop)
         if call is not None:
             try:
                 await call.done_writing()
@@ -171,9 +179,10 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         return info
 
 
-def _rejected(msg: stage_pb2.MicroBatch, error: str, stage: int) -> stage_pb2.MicroBatch:
+def _rejected(msg: stage_pb2.MicroBatch, error: str, stage: int,
+              code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> stage_pb2.MicroBatch:
     """The same micro-batch with every segment turned into an error (no rows, no tensors)."""
-    code = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    code = code.value[0]
     out = stage_pb2.MicroBatch(batch_id=msg.batch_id, return_logprobs=msg.return_logprobs)
     out.trace.extend(msg.trace)
     for s in msg.segments:

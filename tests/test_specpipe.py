@@ -93,3 +93,19 @@ def test_draft_with_another_vocabulary_is_refused(tiny_model8, tmp_path):
     other = make_tiny_llama(tmp_path / "other", layers=2, vocab=300)
     with pytest.raises(ValueError, match="vocabulary"):
         check_same_tokenizer(str(tiny_model8), str(other))
+
+
+class Broken(NgramDraft):
+    def expand(self, request_id, nodes, k):
+        raise MemoryError("draft out of memory")
+
+
+@pytest.mark.parametrize("method", ["specpipe", "sps", "pipeinfer"])
+def test_a_failing_draft_fails_its_request_and_frees_everything(tiny_model8, method):
+    from coordinator.schedulers.registry import SpecOptions, make_scheduler
+    runners = make_runners(tiny_model8, 2, layers=8)
+    sched = make_scheduler(method, 2, SpecOptions(Broken()))
+    out = InProcessPipeline(runners).run(sched, [Request("r", [3, 4, 5], 8)])
+    assert out["r"].reason == "error" and "draft out of memory" in out["r"].error
+    assert not sched.requests and not sched.pending and not sched.trees
+    assert all(not r.cache.requests for r in runners)

@@ -39,6 +39,7 @@ class GrpcPipeline:
         self._controls: list = []
         self._results: asyncio.Queue[MicroBatch | BaseException] = asyncio.Queue()
         self._reader: asyncio.Task | None = None
+        self._closing = False
 
     @property
     def num_stages(self) -> int:
@@ -66,12 +67,14 @@ class GrpcPipeline:
             async for msg in call:
                 self._results.put_nowait(batch_from_proto(msg))
             self._results.put_nowait(PipelineError("the last stage closed the results stream"))
-        except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.CANCELLED:
-                self._results.put_nowait(PipelineError(f"results stream failed: {e.code().name} {e.details()}"))
         except asyncio.CancelledError:
             call.cancel()
             raise
+        except grpc.aio.AioRpcError as e:
+            if not self._closing:
+                self._results.put_nowait(PipelineError(f"results stream failed: {e.code().name} {e.details()}"))
+        except Exception as e:   # an undecodable result: the pipeline is broken, say so rather than hang
+            self._results.put_nowait(PipelineError(f"results stream failed: {e}"))
 
     async def inject(self, batch: MicroBatch) -> None:
         await self._forward.write(batch_to_proto(batch))
@@ -92,6 +95,7 @@ class GrpcPipeline:
         return await self._stubs[stage].Info(stage_pb2.InfoRequest(request_id=request_id), timeout=30)
 
     async def close(self) -> None:
+        self._closing = True
         for call in [self._forward, *self._controls]:
             if call is not None:
                 try:

@@ -107,14 +107,22 @@ class SpecPipeScheduler(Scheduler):
         """Draft compute, kept out of the event handlers so that injections leave first: expand the
         nodes injected last, then inject the next layer if the pipeline has room."""
         for rid in list(self.pending):
-            state, tree = self.requests[rid], self.trees[rid]
-            nodes = [tree.nodes[i] for i in self.pending.pop(rid) if i in tree.nodes]
-            if rid not in self.begun:
-                self.begun.add(rid)
-                self._timed(state, self.draft.begin, rid, state.request.prompt_ids)
-            self._expand(state, tree, [n for n in nodes if not n.expanded and n.token not in state.request.eos_ids])
-            self._lookahead(state, tree)
-            self._fill(state)
+            try:
+                self._work_one(rid)
+            except Exception as e:        # a failing draft fails its request, not the scheduler
+                self.pending.pop(rid, None)
+                if rid in self.requests:
+                    self._finish(self.requests[rid], "error", error=f"draft failed: {e!r}", error_code=13)
+
+    def _work_one(self, rid: str) -> None:
+        state, tree = self.requests[rid], self.trees[rid]
+        nodes = [tree.nodes[i] for i in self.pending.pop(rid) if i in tree.nodes]
+        if rid not in self.begun:
+            self.begun.add(rid)
+            self._timed(state, self.draft.begin, rid, state.request.prompt_ids)
+        self._expand(state, tree, [n for n in nodes if not n.expanded and n.token not in state.request.eos_ids])
+        self._lookahead(state, tree)
+        self._fill(state)
 
     def _lookahead(self, state: RequestState, tree: TokenTree) -> None:
         """hybrid: while the injected tree reaches fewer than S-1 layers below the root (after a re-root),

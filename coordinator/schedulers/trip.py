@@ -42,47 +42,46 @@ class TripScheduler(SpecPipeScheduler):
         if state.in_flight < self.max_in_flight and rid not in self.pending:
             self.pending[rid] = []                 # the speculation is grown in work(), off the event path
 
-    def work(self) -> None:
-        for rid in list(self.pending):
-            del self.pending[rid]
-            state, tree = self.requests[rid], self.trees[rid]
-            if rid not in self.begun:
-                self.begun.add(rid)
-                self._timed(state, self.draft.begin, rid, state.request.prompt_ids)
-            root = tree.root_node
-            if not root.expanded:                  # may overlap the prompt's trip
-                self._expand(state, tree, [root])
-            if state.in_flight >= self.max_in_flight:
-                continue                           # the pipeline is full: _fill asks again after a result
-            chosen = []
-            if not root.injected:                  # a bonus token: it travels with the speculation below it
-                root.injected = True
-                chosen.append(root)
-            max_depth = root.depth + state.request.max_new_tokens - len(state.generated)
-            grown = 0
-            for _ in range(self.rounds):
-                take = min(self.per_round, self.budget - grown)
-                picked = [tree.nodes[i] for i in tree.select(self.policy, take, max_depth)] if take > 0 else []
-                if self.min_logp > -math.inf and picked and grown:     # confidence cut-off (PipeInfer)
-                    weak = [n for n in picked if n.score - tree.nodes[n.parent].score < self.min_logp]
-                    for n in weak:
-                        n.injected = False
-                    picked = [n for n in picked if n not in weak]
-                if not picked:
-                    break
-                grown += len(picked)
-                chosen += picked
-                self._expand(state, tree, [n for n in picked if n.token not in state.request.eos_ids])
-            if not chosen:
-                continue                           # nothing to verify: wait for the outstanding result
-            chosen.sort(key=lambda n: (n.depth, n.id))
-            parent = {tree.root: state.committed[-2]}
-            self._inject([Segment(rid, [n.id for n in chosen], [parent.get(n.id, n.parent) for n in chosen],
-                                  [n.depth for n in chosen], [n.token for n in chosen], [True] * len(chosen))])
-            state.count("nodes_injected", len(chosen))
-            state.count("trips")
-            if state.in_flight < self.max_in_flight:
-                self.pending[rid] = []             # room for another run (pipeinfer)
+    def _work_one(self, rid: str) -> None:
+        del self.pending[rid]
+        state, tree = self.requests[rid], self.trees[rid]
+        if rid not in self.begun:
+            self.begun.add(rid)
+            self._timed(state, self.draft.begin, rid, state.request.prompt_ids)
+        root = tree.root_node
+        if not root.expanded:                  # may overlap the prompt's trip
+            self._expand(state, tree, [root])
+        if state.in_flight >= self.max_in_flight:
+            return                             # the pipeline is full: _fill asks again after a result
+        chosen = []
+        if not root.injected:                  # a bonus token: it travels with the speculation below it
+            root.injected = True
+            chosen.append(root)
+        max_depth = root.depth + state.request.max_new_tokens - len(state.generated)
+        grown = 0
+        for _ in range(self.rounds):
+            take = min(self.per_round, self.budget - grown)
+            picked = [tree.nodes[i] for i in tree.select(self.policy, take, max_depth)] if take > 0 else []
+            if self.min_logp > -math.inf and picked and grown:     # confidence cut-off (PipeInfer)
+                weak = [n for n in picked if n.score - tree.nodes[n.parent].score < self.min_logp]
+                for n in weak:
+                    n.injected = False
+                picked = [n for n in picked if n not in weak]
+            if not picked:
+                break
+            grown += len(picked)
+            chosen += picked
+            self._expand(state, tree, [n for n in picked if n.token not in state.request.eos_ids])
+        if not chosen:
+            return                             # nothing to verify: wait for the outstanding result
+        chosen.sort(key=lambda n: (n.depth, n.id))
+        parent = {tree.root: state.committed[-2]}
+        self._inject([Segment(rid, [n.id for n in chosen], [parent.get(n.id, n.parent) for n in chosen],
+                              [n.depth for n in chosen], [n.token for n in chosen], [True] * len(chosen))])
+        state.count("nodes_injected", len(chosen))
+        state.count("trips")
+        if state.in_flight < self.max_in_flight:
+            self.pending[rid] = []             # room for another run (pipeinfer)
 
 
 def make_sps(num_stages: int, draft: DraftSource, k: int) -> TripScheduler:
