@@ -120,3 +120,23 @@ async def test_logs_carry_the_request_id(api):
     finished = [e for e in logs if e["event"] == "request finished"]
     assert len(finished) == 1
     assert finished[0]["request_id"] == msgs[-1].request_id and finished[0]["tokens"] == 2
+
+
+async def test_losing_the_last_stage_ends_streams_with_unavailable_not_a_hang(tiny_model):
+    from coordinator.service import Coordinator, GenerateInput, GenerationFailed
+    async with stage_servers(str(tiny_model), 2, stage_time_ms="40") as (addrs, servicers):
+        coord = await Coordinator.connect(CoordinatorConfig(stages=tuple(addrs), model=str(tiny_model)))
+        try:
+            async def consume():
+                async for _ in coord.generate(GenerateInput(prompt_token_ids=[5, 6], max_new_tokens=60,
+                                                            method="pp", ignore_eos=True)):
+                    pass
+
+            task = asyncio.create_task(consume())
+            await asyncio.sleep(0.5)
+            await servicers[1].close()                   # the last stage ends its Results stream
+            with pytest.raises(GenerationFailed) as err:
+                await asyncio.wait_for(task, timeout=20)
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE.value[0]
+        finally:
+            await coord.close()

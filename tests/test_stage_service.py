@@ -156,3 +156,21 @@ async def test_after_a_miss_stages_hold_only_committed_and_live_nodes(tiny_model
             for stub in pipe.stubs:
                 r = (await stub.Info(stage_pb2.InfoRequest(request_id="m"))).requests[0]
                 assert sorted(r.node_ids) == [0, 1, 2, 7, 9] and r.committed == 4 and r.live == 1
+
+
+async def test_a_compute_failure_fails_only_that_micro_batch_with_internal(tiny_model, monkeypatch):
+    async with stage_servers(str(tiny_model), 2) as (addrs, servicers):
+        async with Pipe(addrs) as pipe:
+            real_step = servicers[1].runner.step
+
+            def failing_step(batch):
+                raise RuntimeError("CUDA out of memory (simulated)")
+
+            monkeypatch.setattr(servicers[1].runner, "step", failing_step)
+            out = await pipe.send(prefill("oom", [5, 6, 7]))
+            seg = out.segments[0]
+            assert seg.error_code == grpc.StatusCode.INTERNAL.value[0] and seg.error_stage == 1
+            assert "out of memory" in seg.error
+            monkeypatch.setattr(servicers[1].runner, "step", real_step)
+            out = await pipe.send(prefill("after", [5, 6, 7]))          # the same streams keep working
+            assert len(out.argmax) == 1 and not out.segments[0].error
