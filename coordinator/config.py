@@ -5,6 +5,10 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from coordinator.schedulers.registry import SpecOptions
+
+_SPEC = SpecOptions()      # speculation defaults live in one place
+
 
 @dataclass(frozen=True)
 class CoordinatorConfig:
@@ -17,14 +21,14 @@ class CoordinatorConfig:
     draft_model: str = ""                # HF folder of a separate draft model (draft = model)
     draft_device: str = "cpu"
     draft_threads: int = 1               # torch threads of the coordinator (draft compute)
-    width: int = 16                      # nodes per tree layer / per step
-    tree_policy: str = "hybrid"          # layer | best-first | hybrid (measured best: see README)
-    topk: int = 8                        # children proposed per node
-    sps_k: int = 4                       # sps: draft tokens per trip
-    tree_nodes: int = 32                 # tree: nodes per trip
-    tree_depth: int = 6                  # tree: expansion rounds per trip
-    pipeinfer_run: int = 4               # pipeinfer: draft tokens per speculative run
-    pipeinfer_min_prob: float = 0.1      # pipeinfer: end a run where the draft is less sure than this
+    width: int = _SPEC.width                           # nodes per tree layer / per step
+    tree_policy: str = _SPEC.policy                    # layer | best-first | hybrid (measured best: see README)
+    topk: int = _SPEC.topk                             # children proposed per node
+    sps_k: int = _SPEC.sps_k                           # sps: draft tokens per trip
+    tree_nodes: int = _SPEC.tree_nodes                 # tree: nodes per trip
+    tree_depth: int = _SPEC.tree_depth                 # tree: expansion rounds per trip
+    pipeinfer_run: int = _SPEC.pipeinfer_run           # pipeinfer: draft tokens per speculative run
+    pipeinfer_min_prob: float = _SPEC.pipeinfer_min_prob  # pipeinfer: end runs where the draft is less sure
     default_max_new_tokens: int = 128
     max_new_tokens_cap: int = 4096
     grace_s: float = 10.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -121,5 +121,3 @@ class StageConfig:
 def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
-
-CONFIG_FIELDS = [f.name for f in fields(StageConfig)]

@@ -12,7 +12,7 @@ import time
 import grpc
 
 from protos import stage_pb2, stage_pb2_grpc
-from services.batch import MicroBatch, Segment
+from services.batch import Segment
 from services.codec import CodecError
 from services.config import StageConfig
 from services.grpc_server import channel_options
@@ -191,6 +191,3 @@ def _rejected(msg: stage_pb2.MicroBatch, error: str, stage: int,
                          error_stage=f.error_stage)
     return out
 
-
-# re-exported for typing convenience
-__all__ = ["StageServicer", "MicroBatch"]

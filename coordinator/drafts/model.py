@@ -25,7 +25,6 @@ class ModelDraft(DraftSource):
         super().__init__()
         self.name = name
         self.runner = StageRunner(LlamaShard(model, 0, model.config.num_hidden_layers), stage_index=-1)
-        self.vocab_size = model.config.vocab_size
         self._batch = 0
 
     def begin(self, request_id: str, prompt_ids: list[int]) -> None:

@@ -27,7 +27,7 @@ class AttendPlan:
 
 
 class LlamaShard(nn.Module):
-    def __init__(self, model: nn.Module, first: int, last: int, num_stages_hint: int = 0) -> None:
+    def __init__(self, model: nn.Module, first: int, last: int) -> None:
         super().__init__()
         config = model.config
         total = config.num_hidden_layers
