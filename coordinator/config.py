@@ -29,6 +29,9 @@ class CoordinatorConfig:
     tree_depth: int = _SPEC.tree_depth                 # tree: expansion rounds per trip
     pipeinfer_run: int = _SPEC.pipeinfer_run           # pipeinfer: draft tokens per speculative run
     pipeinfer_min_prob: float = _SPEC.pipeinfer_min_prob  # pipeinfer: end runs where the draft is less sure
+    node_budget: int = _SPEC.node_budget               # specpipe, cb-pp: rows per micro-batch, all requests
+    max_active: int = 64                 # requests running at once
+    max_queue: int = 256                 # requests waiting for admission; more are refused
     default_max_new_tokens: int = 128
     max_new_tokens_cap: int = 4096
     grace_s: float = 10.0
@@ -43,9 +46,11 @@ class CoordinatorConfig:
             if not host or not port.isdigit():
                 raise ValueError(f"stage address {addr!r} is not HOST:PORT")
         if min(self.width, self.topk, self.draft_threads, self.sps_k, self.tree_nodes, self.tree_depth,
-               self.pipeinfer_run) < 1:
-            raise ValueError("width, topk, draft_threads, sps_k, tree_nodes, tree_depth and pipeinfer_run "
-                             "must be at least 1")
+               self.pipeinfer_run, self.node_budget, self.max_active) < 1:
+            raise ValueError("width, topk, draft_threads, sps_k, tree_nodes, tree_depth, pipeinfer_run, "
+                             "node_budget and max_active must be at least 1")
+        if self.max_queue < 0:
+            raise ValueError("max_queue must be 0 or more")
         if not 0.0 <= self.pipeinfer_min_prob < 1.0:
             raise ValueError("pipeinfer_min_prob must be in [0, 1)")
         if self.tree_policy not in ("layer", "best-first", "hybrid"):
@@ -63,6 +68,10 @@ class CoordinatorConfig:
         p.add_argument("--method", default=os.environ.get("SPECPIPE_METHOD", cls.method),
                        help="default method for requests that name none")
         add_spec_arguments(p)
+        p.add_argument("--max-active", type=int, default=int(os.environ.get("SPECPIPE_MAX_ACTIVE", cls.max_active)),
+                       help="requests running at once; more wait in the admission queue")
+        p.add_argument("--max-queue", type=int, default=int(os.environ.get("SPECPIPE_MAX_QUEUE", cls.max_queue)),
+                       help="requests waiting for admission; more are refused with RESOURCE_EXHAUSTED")
         p.add_argument("--default-max-new-tokens", type=int, default=cls.default_max_new_tokens)
         p.add_argument("--max-new-tokens-cap", type=int, default=cls.max_new_tokens_cap)
         p.add_argument("--grace-s", type=float, default=float(os.environ.get("SPECPIPE_GRACE_S", cls.grace_s)))
@@ -72,7 +81,7 @@ class CoordinatorConfig:
         stages = tuple(s.strip() for s in a.stages.split(",") if s.strip())
         return cls(stages=stages, model=a.model, host=a.host, port=a.port, method=a.method,
                    default_max_new_tokens=a.default_max_new_tokens, max_new_tokens_cap=a.max_new_tokens_cap,
-                   grace_s=a.grace_s, **spec_kwargs(a))
+                   grace_s=a.grace_s, max_active=a.max_active, max_queue=a.max_queue, **spec_kwargs(a))
 
     @classmethod
     def from_env(cls) -> "CoordinatorConfig":
@@ -102,10 +111,12 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeinfer-run", type=int, default=d.pipeinfer_run, help="pipeinfer: draft tokens per run")
     p.add_argument("--pipeinfer-min-prob", type=float, default=d.pipeinfer_min_prob,
                    help="pipeinfer: end a run where the draft's probability falls below this")
+    p.add_argument("--node-budget", type=int, default=int(os.environ.get("SPECPIPE_NODE_BUDGET", d.node_budget)),
+                   help="specpipe, cb-pp: rows per micro-batch shared by all requests in it")
 
 
 def spec_kwargs(a: argparse.Namespace) -> dict:
     return dict(draft=a.draft, draft_model=a.draft_model, draft_device=a.draft_device,
                 draft_threads=a.draft_threads, width=a.width, tree_policy=a.tree_policy, topk=a.topk,
                 sps_k=a.sps_k, tree_nodes=a.tree_nodes, tree_depth=a.tree_depth, pipeinfer_run=a.pipeinfer_run,
-                pipeinfer_min_prob=a.pipeinfer_min_prob)
+                pipeinfer_min_prob=a.pipeinfer_min_prob, node_budget=a.node_budget)

@@ -16,6 +16,7 @@ from typing import Protocol
 from services.batch import Control, MicroBatch
 from services.logs import get_logger
 
+from coordinator.admission import Admission, kv_need
 from coordinator.schedulers.base import Broadcast, Emit, Finish, Inject, Request, Scheduler
 from coordinator.schedulers.registry import SpecOptions, make_scheduler
 
@@ -52,12 +53,17 @@ class _Live:
 
 class Engine:
     """Ownership: the schedulers' state is touched only inside `_call` (under `_lock`, in a worker thread,
-    since a scheduler may run the draft model); the event loop owns `_live` and `_owner`."""
+    since a scheduler may run the draft model); the event loop owns `_live`, `_waiting`, `_owner` and the
+    admission state. A request is admitted (coordinator/admission.py) before its scheduler sees it; while
+    it waits, only `_live` and `_waiting` know it."""
 
-    def __init__(self, transport: Transport, default_method: str = "pp", spec: SpecOptions | None = None) -> None:
+    def __init__(self, transport: Transport, default_method: str = "pp", spec: SpecOptions | None = None,
+                 admission: Admission | None = None) -> None:
         self.transport = transport
         self.default_method = default_method
         self.spec = spec or SpecOptions()
+        self.admission = admission or Admission(max_active=64, max_queue=256)
+        self._waiting: dict[str, asyncio.Future] = {}          # queued request -> set when it may start
         self._schedulers: dict[tuple[str, SpecOptions], Scheduler] = {}
         self._live: dict[str, _Live] = {}
         self._owner: dict[int, tuple[Scheduler, int]] = {}     # wire batch id -> (scheduler, its batch id)
@@ -86,6 +92,7 @@ class Engine:
 
     @property
     def active(self) -> int:
+        """Requests the engine knows: running and queued."""
         return len(self._live)
 
     def scheduler(self, method: str, spec: SpecOptions | None = None) -> Scheduler:
@@ -98,22 +105,32 @@ class Engine:
     async def submit(self, prompt_ids: list[int], max_new_tokens: int, method: str = "",
                      eos_ids: frozenset[int] = frozenset(), request_id: str = "",
                      spec: SpecOptions | None = None) -> tuple[str, asyncio.Queue]:
-        """Start a request; returns its id and its event queue. Raises ValueError for bad input and
-        RuntimeError when the pipeline has failed."""
+        """Start a request, waiting in the admission queue if the server is full; returns its id and its
+        event queue. Raises ValueError for bad input, Overloaded when the queue is full or the request can
+        never fit, RuntimeError when the pipeline has failed or the engine closes while it waits."""
         if self.failure is not None:
             raise RuntimeError(f"the pipeline failed: {self.failure}")
         sched = self.scheduler(method or self.default_method, spec)
         rid = request_id or uuid.uuid4().hex[:16]
         if rid in self._live:
             raise ValueError(f"request id {rid} is already running")
+        need = kv_need(len(prompt_ids), max_new_tokens, self.transport.num_stages, sched.kv_rows_per_batch)
+        runs_now = self.admission.offer(rid, need)
         live = self._live[rid] = _Live(sched, asyncio.Queue(), time.perf_counter())
+        added = False
         try:
+            if not runs_now:
+                self._waiting[rid] = asyncio.get_running_loop().create_future()
+                await self._waiting[rid]
+            added = True
             await self._call(sched, sched.add, Request(rid, list(prompt_ids), max_new_tokens, eos_ids))
-        except asyncio.CancelledError:      # the client left while the request was being added
-            self.cancel(rid)
-            raise
-        except BaseException:
-            self._live.pop(rid, None)
+        except BaseException as e:
+            self._waiting.pop(rid, None)
+            if added and isinstance(e, asyncio.CancelledError):
+                self.cancel(rid)            # the client left while the request was being added
+            else:
+                self._live.pop(rid, None)
+                self._release(rid)
             raise
         return rid, live.events
 
@@ -122,7 +139,20 @@ class Engine:
         live = self._live.get(request_id)
         if live is None:
             return
+        waiting = self._waiting.get(request_id)
+        if waiting is not None:
+            if not waiting.done():
+                why = f"the pipeline failed: {self.failure}" if self.failure else f"request {reason} while queued"
+                waiting.set_exception(RuntimeError(why))
+            return
         self._spawn(self._call(live.scheduler, live.scheduler.cancel, request_id, reason))
+
+    def _release(self, request_id: str) -> None:
+        """The request no longer holds its admission; start the queued requests that fit now."""
+        for rid in self.admission.release(request_id):
+            fut = self._waiting.pop(rid, None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
 
     async def _call(self, sched: Scheduler, fn, *args):
         async with self._lock:
@@ -202,6 +232,7 @@ class Engine:
 
     def _finish(self, action: Finish) -> None:
         live = self._live.pop(action.request_id, None)
+        self._release(action.request_id)
         if live is None:
             return
         stats = dict(action.stats)

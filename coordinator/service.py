@@ -14,6 +14,7 @@ import torch
 from services.logs import get_logger
 from services.model.loader import resolve_model, stderr_log
 
+from coordinator.admission import Admission, Overloaded
 from coordinator.config import CoordinatorConfig
 from coordinator.drafts.factory import build_draft
 from coordinator.drivers.grpc import GrpcPipeline
@@ -75,12 +76,17 @@ class Coordinator:
         torch.set_num_threads(config.draft_threads)
         draft = await asyncio.to_thread(build_draft, config.draft, config.model, config.draft_model,
                                         config.draft_device)
-        spec = SpecOptions(draft, config.width, config.tree_policy, config.topk, config.sps_k, config.tree_nodes,
-                           config.tree_depth, config.pipeinfer_run, config.pipeinfer_min_prob)
-        engine = Engine(pipeline, default_method=config.method, spec=spec)
+        spec = SpecOptions(draft=draft, width=config.width, policy=config.tree_policy, topk=config.topk,
+                           sps_k=config.sps_k, tree_nodes=config.tree_nodes, tree_depth=config.tree_depth,
+                           pipeinfer_run=config.pipeinfer_run, pipeinfer_min_prob=config.pipeinfer_min_prob,
+                           node_budget=config.node_budget)
+        kv_slots = [i.kv_limit_bytes // i.kv_bytes_per_slot for i in pipeline.infos
+                    if i.kv_limit_bytes and i.kv_bytes_per_slot]
+        admission = Admission(config.max_active, config.max_queue, min(kv_slots) if kv_slots else None)
+        engine = Engine(pipeline, default_method=config.method, spec=spec, admission=admission)
         await engine.start()
         log.info("coordinator connected", stages=len(config.stages), vocab=info.vocab_size,
-                 context=info.max_position, tokenizer=tokenizer is not None)
+                 context=info.max_position, tokenizer=tokenizer is not None, kv_slots=admission.kv_slots)
         return cls(config, pipeline, engine, PromptEncoder(tokenizer), eos_ids, limits)
 
     async def close(self) -> None:
@@ -114,6 +120,8 @@ class Coordinator:
                                                    request_id=inp.request_id, spec=self._spec(inp))
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
+        except Overloaded as e:
+            raise GenerationFailed(str(e), code=8) from None       # RESOURCE_EXHAUSTED
         except RuntimeError as e:
             raise GenerationFailed(str(e), code=14) from None
         text = TextStream(self.encoder.decode, params.stop)

@@ -82,21 +82,23 @@ class InfoRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class RequestInfo(_message.Message):
-    __slots__ = ("request_id", "committed", "live", "node_ids", "tombstones")
+    __slots__ = ("request_id", "committed", "live", "node_ids", "tombstones", "kv_bytes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     LIVE_FIELD_NUMBER: _ClassVar[int]
     NODE_IDS_FIELD_NUMBER: _ClassVar[int]
     TOMBSTONES_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     committed: int
     live: int
     node_ids: _containers.RepeatedScalarFieldContainer[int]
     tombstones: int
-    def __init__(self, request_id: _Optional[str] = ..., committed: _Optional[int] = ..., live: _Optional[int] = ..., node_ids: _Optional[_Iterable[int]] = ..., tombstones: _Optional[int] = ...) -> None: ...
+    kv_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., committed: _Optional[int] = ..., live: _Optional[int] = ..., node_ids: _Optional[_Iterable[int]] = ..., tombstones: _Optional[int] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
 
 class StageInfo(_message.Message):
-    __slots__ = ("stage", "num_stages", "first_layer", "last_layer", "num_layers_total", "model", "dtype", "device", "vocab_size", "hidden_size", "max_position", "active_requests", "kv_bytes", "next_hop", "requests", "batches", "rows_computed", "rows_dropped")
+    __slots__ = ("stage", "num_stages", "first_layer", "last_layer", "num_layers_total", "model", "dtype", "device", "vocab_size", "hidden_size", "max_position", "active_requests", "kv_bytes", "next_hop", "requests", "batches", "rows_computed", "rows_dropped", "kv_limit_bytes", "kv_bytes_per_slot")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
     FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +117,8 @@ class StageInfo(_message.Message):
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     ROWS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     ROWS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    KV_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_SLOT_FIELD_NUMBER: _ClassVar[int]
     stage: int
     num_stages: int
     first_layer: int
@@ -133,4 +137,6 @@ class StageInfo(_message.Message):
     batches: int
     rows_computed: int
     rows_dropped: int
-    def __init__(self, stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., first_layer: _Optional[int] = ..., last_layer: _Optional[int] = ..., num_layers_total: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_position: _Optional[int] = ..., active_requests: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., next_hop: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ..., batches: _Optional[int] = ..., rows_computed: _Optional[int] = ..., rows_dropped: _Optional[int] = ...) -> None: ...
+    kv_limit_bytes: int
+    kv_bytes_per_slot: int
+    def __init__(self, stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., first_layer: _Optional[int] = ..., last_layer: _Optional[int] = ..., num_layers_total: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_position: _Optional[int] = ..., active_requests: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., next_hop: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ..., batches: _Optional[int] = ..., rows_computed: _Optional[int] = ..., rows_dropped: _Optional[int] = ..., kv_limit_bytes: _Optional[int] = ..., kv_bytes_per_slot: _Optional[int] = ...) -> None: ...

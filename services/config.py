@@ -56,6 +56,7 @@ class StageConfig:
     stage_time_ms: str = "0"            # emulated stage time "A" or "A+B" (A ms per step + B ms per row)
     grace_s: float = 10.0               # drain time on SIGTERM
     max_message_mb: int = 256           # gRPC send/receive limit
+    kv_limit_mb: int = 0                # K/V memory of all requests together; 0 = no limit
 
     def __post_init__(self) -> None:
         if self.num_stages < 1:
@@ -66,6 +67,8 @@ class StageConfig:
             raise ValueError("give both first_layer and last_layer, or neither")
         if self.threads < 1:
             raise ValueError("threads must be at least 1")
+        if self.kv_limit_mb < 0:
+            raise ValueError("kv_limit_mb must be 0 (no limit) or more")
         parse_dtype(self.dtype)
         parse_stage_time(self.stage_time_ms)
         check_device(self.device)
@@ -97,6 +100,10 @@ class StageConfig:
         p.add_argument("--stage-time-ms", default=os.environ.get("SPECPIPE_STAGE_TIME_MS", cls.stage_time_ms),
                        help="emulated stage time: at least A ms per step plus B ms per row ('A' or 'A+B')")
         p.add_argument("--grace-s", type=float, default=float(os.environ.get("SPECPIPE_GRACE_S", cls.grace_s)))
+        p.add_argument("--kv-limit-mb", type=int, default=_env_int("SPECPIPE_KV_LIMIT_MB", cls.kv_limit_mb),
+                       help="K/V cache memory for all requests together (0 = no limit); a request that "
+                            "would pass it fails with RESOURCE_EXHAUSTED, and the coordinator admits "
+                            "requests only while their reserved KV fits")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "StageConfig":
@@ -109,7 +116,7 @@ class StageConfig:
         return cls(model=args.model, stage=args.stage, num_stages=args.num_stages, first_layer=first,
                    last_layer=last, host=args.host, port=args.port, port_file=args.port_file,
                    next_hop=args.next_hop, dtype=args.dtype, device=args.device, threads=args.threads,
-                   stage_time_ms=args.stage_time_ms, grace_s=args.grace_s)
+                   stage_time_ms=args.stage_time_ms, grace_s=args.grace_s, kv_limit_mb=args.kv_limit_mb)
 
     @classmethod
     def from_env(cls) -> "StageConfig":

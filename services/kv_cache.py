@@ -9,11 +9,33 @@ committed: [capacity] (bool).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from services.nodes import Admit, NodeTable
+from services.nodes import Admit, NodeTable, ProtocolError
+
+INITIAL_SLOTS = 64
+MiB = 1024 * 1024
+
+
+class KVExhausted(ProtocolError):
+    """The stage's KV limit does not allow the request to grow; it fails with RESOURCE_EXHAUSTED."""
+    code = 8       # grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def slots_allocated(nodes: int) -> int:
+    """Slots a request's cache holds once `nodes` slots were in use at once (it starts at INITIAL_SLOTS
+    and doubles).
+
+    >>> slots_allocated(1), slots_allocated(65), slots_allocated(300)
+    (64, 128, 512)
+    """
+    cap = INITIAL_SLOTS
+    while cap < nodes:
+        cap *= 2
+    return cap
 
 
 @dataclass
@@ -23,13 +45,20 @@ class CacheGeometry:
     head_dim: int
     dtype: torch.dtype
     device: torch.device
-    initial_slots: int = 64
+    initial_slots: int = INITIAL_SLOTS
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """K and V of one node over this stage's layers."""
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
 
 @dataclass
 class RequestKV:
-    """Everything one request holds at one stage."""
+    """Everything one request holds at one stage. Tensors are allocated with the first row; growth asks
+    `reserve` (the stage cache's budget) first."""
     geometry: CacheGeometry
+    reserve: Callable[[int], None] = lambda extra_bytes: None
     table: NodeTable = field(default_factory=NodeTable)
     slot_of: dict[int, int] = field(default_factory=dict)
     free: list[int] = field(default_factory=list)
@@ -39,15 +68,13 @@ class RequestKV:
     slot_position: torch.Tensor | None = None   # [capacity] int64
     committed: torch.Tensor | None = None       # [capacity] bool
 
-    def __post_init__(self) -> None:
-        self._allocate(self.geometry.initial_slots)
-
     @property
     def capacity(self) -> int:
-        return int(self.slot_position.shape[0])
+        return 0 if self.slot_position is None else int(self.slot_position.shape[0])
 
     def _allocate(self, capacity: int) -> None:
         g = self.geometry
+        self.reserve((capacity - self.capacity) * g.bytes_per_slot)
         shape = (capacity, g.kv_heads, g.head_dim)
         old = self.high_water
         new_k = [torch.zeros(shape, dtype=g.dtype, device=g.device) for _ in range(g.num_layers)]
@@ -66,7 +93,7 @@ class RequestKV:
         if self.free:
             return self.free.pop()
         if self.high_water == self.capacity:
-            self._allocate(self.capacity * 2)
+            self._allocate(max(self.geometry.initial_slots, self.capacity * 2))
         self.high_water += 1
         return self.high_water - 1
 
@@ -116,17 +143,27 @@ class RequestKV:
         return mask
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return self.capacity * self.geometry.bytes_per_slot
 
 
 class KVCache:
-    """All requests held by one stage. The stage runner is its only user."""
+    """All requests held by one stage. The stage runner is its only user. `limit_bytes` (0 = none) caps
+    the K/V memory of all requests together; a request whose growth would pass it fails (KVExhausted)."""
 
-    def __init__(self, geometry: CacheGeometry, released_memory: int = 4096) -> None:
+    def __init__(self, geometry: CacheGeometry, released_memory: int = 4096, limit_bytes: int = 0) -> None:
         self.geometry = geometry
+        self.limit_bytes = limit_bytes
+        self.allocated = 0                      # bytes of K/V held by all requests
         self.requests: dict[str, RequestKV] = {}
         self._released: dict[str, None] = {}   # insertion-ordered set of recently released ids
         self._released_memory = released_memory
+
+    def _reserve(self, extra: int) -> None:
+        if self.limit_bytes and self.allocated + extra > self.limit_bytes:
+            raise KVExhausted(f"KV cache limit of {self.limit_bytes / MiB:.1f} MiB reached "
+                              f"({self.allocated / MiB:.1f} MiB held by {len(self.requests)} requests, "
+                              f"{extra / MiB:.1f} MiB more needed)")
+        self.allocated += extra
 
     def get(self, request_id: str, create: bool) -> RequestKV | None:
         """The request's state; None if it was released (late rows of an ended request are dropped)."""
@@ -134,15 +171,18 @@ class KVCache:
             return None
         state = self.requests.get(request_id)
         if state is None and create:
-            state = self.requests[request_id] = RequestKV(self.geometry)
+            state = self.requests[request_id] = RequestKV(self.geometry, self._reserve)
         return state
 
     def release(self, request_id: str) -> bool:
-        existed = self.requests.pop(request_id, None) is not None
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            self.allocated -= state.nbytes()
+        existed = state is not None
         self._released[request_id] = None
         while len(self._released) > self._released_memory:
             self._released.pop(next(iter(self._released)))
         return existed
 
     def nbytes(self) -> int:
-        return sum(r.nbytes() for r in self.requests.values())
+        return self.allocated

@@ -29,6 +29,7 @@ from enum import Enum
 
 class ProtocolError(ValueError):
     """A message that no correct coordinator sends (unknown parent, duplicate node, bad position)."""
+    code = 3       # grpc.StatusCode.INVALID_ARGUMENT; the core does not import grpc
 
 
 class Admit(Enum):

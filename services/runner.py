@@ -18,8 +18,6 @@ from services.kv_cache import KVCache
 from services.model.shard import AttendPlan, LlamaShard
 from services.nodes import ProtocolError
 
-INVALID_ARGUMENT = 3   # grpc.StatusCode.INVALID_ARGUMENT.value[0]; the core does not import grpc
-
 
 class BatchError(ValueError):
     """The micro-batch as a whole is malformed (hidden tensor of the wrong dtype or shape)."""
@@ -33,10 +31,10 @@ class RunnerCounters:
 
 
 class StageRunner:
-    def __init__(self, shard: LlamaShard, stage_index: int = 0) -> None:
+    def __init__(self, shard: LlamaShard, stage_index: int = 0, kv_limit_bytes: int = 0) -> None:
         self.shard = shard
         self.stage_index = stage_index
-        self.cache = KVCache(shard.cache_geometry())
+        self.cache = KVCache(shard.cache_geometry(), limit_bytes=kv_limit_bytes)
         self.counters = RunnerCounters()
 
     # -- control plane ------------------------------------------------------------------------------
@@ -73,7 +71,7 @@ class StageRunner:
                 kept_seg, kept_idx, slots, kv = self._admit(seg)
             except ProtocolError as e:
                 self.cache.release(seg.request_id)
-                out_segments.append(Segment.failed(seg.request_id, str(e), INVALID_ARGUMENT, self.stage_index))
+                out_segments.append(Segment.failed(seg.request_id, str(e), e.code, self.stage_index))
                 continue
             if kept_idx:
                 start = len(keep_rows)

@@ -18,5 +18,6 @@ class AlwaysWrong(ModelDraft):
     def __init__(self, model_path) -> None:
         super().__init__(load_causal_lm(str(model_path), torch.float32, "cpu"), name="wrong")
 
-    def expand(self, request_id: str, nodes: list[DraftNode], k: int) -> Proposals:
-        return [props[1:] for props in super().expand(request_id, nodes, k + 1)]
+    def expand_many(self, jobs: list[tuple[str, list[DraftNode]]], k: int) -> list[Proposals | Exception]:
+        return [r if isinstance(r, Exception) else [props[1:] for props in r]
+                for r in super().expand_many(jobs, k + 1)]

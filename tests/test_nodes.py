@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.kv_cache import CacheGeometry, KVCache, RequestKV
+from services.kv_cache import CacheGeometry, KVCache, KVExhausted, RequestKV, slots_allocated
 from services.nodes import Admit, NodeTable, ProtocolError
 
 OK, DROP = Admit.OK, Admit.DROP
@@ -264,8 +264,9 @@ def test_prune_frees_slots_and_they_are_reused() -> None:
 
 def test_capacity_grows_and_kv_survives() -> None:
     r = RequestKV(geometry(initial_slots=2))
-    assert r.capacity == 2 and r.nbytes() == 2 * 2 * 1 * 2 * 4
+    assert r.capacity == 0 and r.nbytes() == 0, "nothing is allocated before the first row"
     r.admit(0, -1, 0)
+    assert r.capacity == 2 and r.nbytes() == 2 * 2 * 1 * 2 * 4
     r.admit(1, 0, 1)
     r.commit([0])
     r.k[0][0] = torch.tensor([[1.0, 2.0]])
@@ -293,7 +294,9 @@ def test_kvcache_get_create_release() -> None:
     a = c.get("a", create=True)
     assert isinstance(a, RequestKV)
     assert c.get("a", create=False) is a and c.get("a", create=True) is a
-    assert c.nbytes() == 32
+    assert c.nbytes() == 0
+    a.admit(0, -1, 0)
+    assert c.nbytes() == 32 == a.nbytes()        # 2 slots x (K + V) x 2 floats x 4 bytes
     assert c.release("a") is True
     assert c.get("a", create=True) is None
     assert c.get("a", create=False) is None
@@ -314,3 +317,32 @@ def test_kvcache_released_memory_is_bounded() -> None:
     assert c.get("a", create=True) is not None   # forgotten: oldest beyond the memory
     assert c.get("b", create=True) is None
     assert c.get("c", create=True) is None
+
+
+# -- KV limit ---------------------------------------------------------------------------------------
+def test_kv_limit_counts_every_request_and_refuses_growth_beyond_it() -> None:
+    g = geometry(initial_slots=2)
+    assert g.bytes_per_slot == 16                   # K + V, 1 layer, 1 head, 2 floats
+    c = KVCache(g, limit_bytes=96)                  # 6 slots for all requests together
+    a, b = c.get("a", create=True), c.get("b", create=True)
+    for i in range(4):                              # a: 2 slots, then grows to 4
+        a.admit(i, i - 1, i)
+    b.admit(0, -1, 0)                               # b: 2 slots
+    assert c.nbytes() == 96 == a.nbytes() + b.nbytes()
+    b.admit(1, 0, 1)                                # fits in b's 2 slots
+    with pytest.raises(KVExhausted, match="limit"):
+        b.admit(2, 1, 2)                            # b would grow to 4 slots: 128 bytes > 96
+    assert KVExhausted.code == 8                    # answered as RESOURCE_EXHAUSTED
+    assert c.nbytes() == 96
+    c.release("a")
+    assert c.nbytes() == 32
+    c2 = c.get("c", create=True)
+    c2.admit(0, -1, 0)
+    assert c.nbytes() == 64
+
+
+def test_slots_allocated_follows_doubling() -> None:
+    r = RequestKV(geometry(initial_slots=64))
+    for n in range(1, 300):
+        r.admit(n - 1, n - 2, n - 1)
+        assert r.capacity == slots_allocated(n), n

@@ -47,7 +47,9 @@ def test_specpipe_matches_transformers(tiny_model8, tiny_hf8, tiny_draft_model, 
         if draft == "wrong":
             assert o.stats.get("hits", 0) == 0, "an always-wrong draft must miss every step"
         if draft == "right" and num_stages > 1:
-            assert o.stats.get("misses", 0) == 0, "an always-right draft must hit every step"
+            # requests arriving together share the S pipeline slots (SpecPipe-DB): a request's first
+            # layer may have to wait for a free slot until its prompt's result is back, one miss
+            assert o.stats.get("misses", 0) <= 1, "an always-right draft misses at most at the start"
     assert all(not r.cache.requests for r in runners), "finished requests leave nothing on any stage"
     assert not sched.trees and not sched.requests
 

@@ -7,6 +7,8 @@ Contract, per request:
     begin(rid, prompt)                     the prompt is committed as nodes 0..n-1
     expand(rid, nodes, k) -> proposals     for each node (its parent already expanded, or earlier in
                                            `nodes`), up to k (token, log-prob) children, best first
+    expand_many([(rid, nodes), ...], k)    the same for several requests at once (one model call where
+                                           the source can batch); a failed request's entry is the exception
     commit(rid, ids, tokens) / prune(rid, ids)   mirror the tree (prune takes subtrees)
     release(rid)                           forget the request
 """
@@ -38,6 +40,15 @@ class DraftSource(ABC):
 
     @abstractmethod
     def expand(self, request_id: str, nodes: list[DraftNode], k: int) -> Proposals: ...
+
+    def expand_many(self, jobs: list[tuple[str, list[DraftNode]]], k: int) -> list[Proposals | Exception]:
+        out: list[Proposals | Exception] = []
+        for rid, nodes in jobs:
+            try:
+                out.append(self.expand(rid, nodes, k))
+            except Exception as e:      # one request's failure is its own
+                out.append(e)
+        return out
 
     def commit(self, request_id: str, node_ids: list[int], tokens: list[int]) -> None:
         pass

@@ -37,25 +37,48 @@ class ModelDraft(DraftSource):
                               [False] * (n - 1)), want=False)
 
     def expand(self, request_id: str, nodes: list[DraftNode], k: int) -> Proposals:
-        if not nodes:
-            return []
-        seg = Segment(request_id, [n.node_id for n in nodes], [n.parent_id for n in nodes],
-                      [n.position for n in nodes], [n.token for n in nodes], [True] * len(nodes))
-        out = self._run(seg, want=True)
-        if out is None or out.logprobs is None:
-            return [[] for _ in nodes]
-        kept = out.segments[0].node_ids
-        top = out.logprobs.topk(k, dim=-1)
-        by_node = {nid: list(zip(top.indices[i].tolist(), top.values[i].tolist())) for i, nid in enumerate(kept)}
-        return [by_node.get(n.node_id, []) for n in nodes]
+        result = self.expand_many([(request_id, nodes)], k)[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
 
-    def _run(self, seg: Segment, want: bool) -> MicroBatch | None:
-        started = time.perf_counter()
-        self._batch += 1
-        out = self.runner.step(MicroBatch(self._batch, [seg], return_logprobs=want))
-        self.compute_s += time.perf_counter() - started
+    def expand_many(self, jobs: list[tuple[str, list[DraftNode]]], k: int) -> list[Proposals | Exception]:
+        """One forward of the draft over the nodes of every request in `jobs`."""
+        segments = [Segment(rid, [n.node_id for n in nodes], [n.parent_id for n in nodes],
+                            [n.position for n in nodes], [n.token for n in nodes], [True] * len(nodes))
+                    for rid, nodes in jobs if nodes]
+        if not segments:
+            return [[] for _ in jobs]
+        out = self._step(segments, want=True)
+        top = out.logprobs.topk(k, dim=-1) if out.logprobs is not None else None
+        by_request: dict[str, dict[int, list[tuple[int, float]]] | Exception] = {}
+        row = 0
+        for seg in out.segments:
+            if seg.error:
+                by_request[seg.request_id] = RuntimeError(f"draft rejected nodes: {seg.error}")
+                continue
+            props = {}
+            for nid in seg.node_ids:          # every kept row asked for output
+                props[nid] = list(zip(top.indices[row].tolist(), top.values[row].tolist()))
+                row += 1
+            by_request[seg.request_id] = props
+        results: list[Proposals | Exception] = []
+        for rid, nodes in jobs:
+            got = by_request.get(rid, {})
+            results.append(got if isinstance(got, Exception) else [got.get(n.node_id, []) for n in nodes])
+        return results
+
+    def _run(self, seg: Segment, want: bool) -> MicroBatch:
+        out = self._step([seg], want)
         if out.segments and out.segments[0].error:
             raise RuntimeError(f"draft rejected nodes: {out.segments[0].error}")
+        return out
+
+    def _step(self, segments: list[Segment], want: bool) -> MicroBatch:
+        started = time.perf_counter()
+        self._batch += 1
+        out = self.runner.step(MicroBatch(self._batch, segments, return_logprobs=want))
+        self.compute_s += time.perf_counter() - started
         return out
 
     def commit(self, request_id: str, node_ids: list[int], tokens: list[int]) -> None:

@@ -102,18 +102,19 @@ class Scheduler(ABC):
     def on_result(self, batch: MicroBatch) -> None:
         inject_step, request_ids = self._batches.pop(batch.batch_id, (self._clock, []))
         self._clock = max(self._clock, inject_step + self.num_stages)
+        share = 1 / len(request_ids) if request_ids else 0.0
         for rid in request_ids:
             state = self.requests.get(rid)
             if state is not None:
                 state.in_flight -= 1
                 state.last_step = self._clock
-                if len(request_ids) == 1:       # per-stage counts are exact for one-request batches
-                    state.count("batches")
-                    for t in batch.trace:
-                        state.count(f"stage{t.stage}_rows_computed", t.rows_computed)
-                        state.count(f"stage{t.stage}_rows_dropped", t.rows_in - t.rows_computed)
-                        state.count(f"stage{t.stage}_compute_ms", t.compute_ms)
-                        state.count(f"stage{t.stage}_wait_ms", t.wait_ms)
+                # a micro-batch shared by n requests counts 1/n to each, so sums over requests are totals
+                state.count("batches", share)
+                for t in batch.trace:
+                    state.count(f"stage{t.stage}_rows_computed", t.rows_computed * share)
+                    state.count(f"stage{t.stage}_rows_dropped", (t.rows_in - t.rows_computed) * share)
+                    state.count(f"stage{t.stage}_compute_ms", t.compute_ms * share)
+                    state.count(f"stage{t.stage}_wait_ms", t.wait_ms * share)
         offset = 0
         for seg in batch.segments:
             n_out = sum(seg.want_output)
@@ -148,6 +149,11 @@ class Scheduler(ABC):
     @property
     def in_flight(self) -> int:
         return len(self._batches)
+
+    @property
+    def kv_rows_per_batch(self) -> int:
+        """Most uncommitted rows of one request per micro-batch (for KV admission)."""
+        return 1
 
     # -- for subclasses -----------------------------------------------------------------------------
     @abstractmethod

@@ -1,21 +1,21 @@
-"""Method name -> scheduler. Methods not built yet are listed so that errors can say so."""
+"""Method name -> scheduler."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from coordinator.drafts.base import DraftSource
 from coordinator.schedulers.base import Scheduler
+from coordinator.schedulers.cbpp import CBPPScheduler
 from coordinator.schedulers.pp import PPScheduler
 from coordinator.schedulers.specpipe import SpecPipeScheduler
 from coordinator.schedulers.trip import make_pipeinfer, make_sps, make_tree
 
-METHODS = ("pp", "specpipe", "sps", "tree", "pipeinfer")
-PLANNED = ("cb-pp",)
+METHODS = ("pp", "specpipe", "sps", "tree", "pipeinfer", "cb-pp")
 
 
 @dataclass(frozen=True)
 class SpecOptions:
-    """Speculation settings shared by the speculative methods."""
+    """Speculation and batching settings of the schedulers."""
     draft: DraftSource | None = None
     width: int = 16
     policy: str = "hybrid"
@@ -25,16 +25,19 @@ class SpecOptions:
     tree_depth: int = 6       # tree: expansion rounds per trip
     pipeinfer_run: int = 4    # pipeinfer: draft tokens per speculative run
     pipeinfer_min_prob: float = 0.1   # pipeinfer: stop a run where the draft is less sure than this
+    node_budget: int = 32     # specpipe, cb-pp: rows per micro-batch, shared by the requests in it
 
 
 def make_scheduler(method: str, num_stages: int, spec: SpecOptions | None = None) -> Scheduler:
     spec = spec or SpecOptions()
     if method == "pp":
         return PPScheduler(num_stages)
+    if method == "cb-pp":
+        return CBPPScheduler(num_stages, spec.node_budget)
     if method == "specpipe":
         if spec.draft is None:
             raise ValueError("method 'specpipe' needs a draft source (--draft quant|ngram|model)")
-        return SpecPipeScheduler(num_stages, spec.draft, spec.width, spec.policy, spec.topk)
+        return SpecPipeScheduler(num_stages, spec.draft, spec.width, spec.policy, spec.topk, spec.node_budget)
     if method in ("sps", "tree", "pipeinfer"):
         if spec.draft is None:
             raise ValueError(f"method {method!r} needs a draft source (--draft quant|ngram|model)")
@@ -43,7 +46,4 @@ def make_scheduler(method: str, num_stages: int, spec: SpecOptions | None = None
         if method == "pipeinfer":
             return make_pipeinfer(num_stages, spec.draft, spec.pipeinfer_run, spec.pipeinfer_min_prob)
         return make_tree(num_stages, spec.draft, spec.tree_nodes, spec.tree_depth, spec.topk)
-    known = ", ".join(METHODS)
-    if method in PLANNED:
-        raise ValueError(f"method {method!r} is not available in this build; available: {known}")
-    raise ValueError(f"unknown method {method!r}; available: {known}")
+    raise ValueError(f"unknown method {method!r}; available: {', '.join(METHODS)}")

@@ -11,26 +11,32 @@ Per request:
    prune everything in flight; the bonus goes into the next micro-batch with its first children.
 Commits and prunes are broadcast to every stage (which drop pruned rows they have not computed yet).
 
+With several requests (SpecPipe-DB) every micro-batch carries the next rows of all ready requests under
+a shared node budget (coordinator/schedulers/batching.py): each request's width is
+min(width, node_budget // requests wanting rows), so trees narrow as load grows, and the draft expands
+the nodes of all requests in one batched call.
+
 Greedy and lossless: every committed token is the target's argmax after the committed prefix.
 """
 from __future__ import annotations
 
-from services.batch import Control, Segment
+from services.batch import Segment
 
 from coordinator.drafts.base import DraftNode, DraftSource
-from coordinator.schedulers.base import RequestState, Scheduler
+from coordinator.schedulers.base import RequestState
+from coordinator.schedulers.batching import BatchingScheduler
 from coordinator.tree import POLICIES, TokenTree, TreeNode
 
 
 LOOKAHEAD = 1      # spine nodes the draft may expand ahead of injection per step (hybrid, when lagging)
 
 
-class SpecPipeScheduler(Scheduler):
+class SpecPipeScheduler(BatchingScheduler):
     name = "specpipe"
 
     def __init__(self, num_stages: int, draft: DraftSource, width: int = 16, policy: str = "hybrid",
-                 topk: int = 8) -> None:
-        super().__init__(num_stages)
+                 topk: int = 8, node_budget: int = 32) -> None:
+        super().__init__(num_stages, node_budget)
         if width < 1 or topk < 1:
             raise ValueError("width and topk must be at least 1")
         if policy not in POLICIES:
@@ -40,19 +46,42 @@ class SpecPipeScheduler(Scheduler):
         self.pending: dict[str, list[int]] = {}      # request -> injected nodes the draft must expand
         self.begun: set[str] = set()                 # requests whose prompt the draft has seen
 
+    @property
+    def kv_rows_per_batch(self) -> int:
+        return self.width + 1
+
     # -- scheduler hooks ----------------------------------------------------------------------------
-    def _start(self, state: RequestState) -> None:
+    def _admitted(self, state: RequestState) -> None:
         rid, prompt = state.request.request_id, state.request.prompt_ids
         state.count("hits", 0)
         state.count("misses", 0)
-        nodes = [state.new_node() for _ in prompt]
-        state.committed.extend(nodes)
-        n = len(prompt)
-        self._broadcast(Control(rid, commit=nodes))
-        self._inject([Segment(rid, nodes, [-1] + nodes[:-1], list(range(n)), list(prompt),
-                              [False] * (n - 1) + [True])])
-        self.trees[rid] = TokenTree(nodes[-1], prompt[-1], n - 1, state.new_node)
-        self.pending[rid] = [nodes[-1]]          # the draft prefills and expands the root in work()
+        root = state.committed[-1]
+        self.trees[rid] = TokenTree(root, prompt[-1], len(prompt) - 1, state.new_node)
+        self.pending[rid] = [root]          # the draft prefills and expands the root in work()
+
+    def _ready(self, state: RequestState) -> bool:
+        return state.request.request_id not in self.pending and state.in_flight < self.num_stages
+
+    def _next_rows(self, state: RequestState, share: int) -> Segment | None:
+        """The bonus after a miss alone, else the tree's next growth, at most min(width, share) nodes;
+        the chosen nodes then wait for the draft's expansion in work()."""
+        rid = state.request.request_id
+        tree = self.trees[rid]
+        root = tree.root_node
+        if not root.injected:
+            root.injected = True
+            chosen = [root]
+        else:
+            remaining = state.request.max_new_tokens - len(state.generated)
+            width = min(self.width, share)
+            chosen = [tree.nodes[i] for i in tree.select(self.policy, width, root.depth + remaining)]
+        if not chosen:
+            return None
+        parent = {tree.root: state.committed[-2]}
+        state.count("nodes_injected", len(chosen))
+        self.pending[rid] = [n.id for n in chosen]
+        return Segment(rid, [n.id for n in chosen], [parent.get(n.id, n.parent) for n in chosen],
+                       [n.depth for n in chosen], [n.token for n in chosen], [True] * len(chosen))
 
     def _on_segment(self, state: RequestState, seg: Segment, outputs: list[int]) -> None:
         tree = self.trees[state.request.request_id]
@@ -62,8 +91,7 @@ class SpecPipeScheduler(Scheduler):
                 token = next(out)
                 if node_id in tree.nodes:
                     tree.nodes[node_id].target_next = token
-        if self._verify(state, tree):
-            self._fill(state)
+        self._verify(state, tree)
 
     def _finish(self, state: RequestState, reason: str, error: str = "", error_code: int = 0) -> None:
         rid = state.request.request_id
@@ -104,78 +132,77 @@ class SpecPipeScheduler(Scheduler):
         return bool(self.pending)
 
     def work(self) -> None:
-        """Draft compute, kept out of the event handlers so that injections leave first: expand the
-        nodes injected last, then inject the next layer if the pipeline has room."""
-        for rid in list(self.pending):
-            try:
-                self._work_one(rid)
-            except Exception as e:        # a failing draft fails its request, not the scheduler
-                self.pending.pop(rid, None)
-                if rid in self.requests:
-                    self._finish(self.requests[rid], "error", error=f"draft failed: {e!r}", error_code=13)
+        """Draft compute, kept out of the event handlers so that injections leave first: the draft
+        prefills new prompts, expands the nodes injected last (all requests in one call), lets lagging
+        trees look ahead, then the next micro-batch goes in if the pipeline has room."""
+        jobs, self.pending = self.pending, {}
+        for rid in jobs:
+            if rid in self.requests and rid not in self.begun:
+                state = self.requests[rid]
+                try:
+                    self._timed([state], lambda: self.draft.begin(rid, state.request.prompt_ids))
+                    self.begun.add(rid)
+                except Exception as e:        # a failing draft fails its request, not the scheduler
+                    self._draft_failed(state, e)
+        expand = []
+        for rid, ids in jobs.items():
+            if rid in self.requests:
+                tree, eos = self.trees[rid], self.requests[rid].request.eos_ids
+                expand.append((rid, [tree.nodes[i] for i in ids if i in tree.nodes
+                                     and not tree.nodes[i].expanded and tree.nodes[i].token not in eos]))
+        self._expand(expand)
+        for _ in range(LOOKAHEAD):
+            self._expand([(rid, [n]) for rid in jobs if rid in self.requests
+                          and (n := self._lookahead(self.requests[rid], self.trees[rid])) is not None])
+        self._dispatch()
 
-    def _work_one(self, rid: str) -> None:
-        state, tree = self.requests[rid], self.trees[rid]
-        nodes = [tree.nodes[i] for i in self.pending.pop(rid) if i in tree.nodes]
-        if rid not in self.begun:
-            self.begun.add(rid)
-            self._timed(state, self.draft.begin, rid, state.request.prompt_ids)
-        self._expand(state, tree, [n for n in nodes if not n.expanded and n.token not in state.request.eos_ids])
-        self._lookahead(state, tree)
-        self._fill(state)
-
-    def _lookahead(self, state: RequestState, tree: TokenTree) -> None:
+    def _lookahead(self, state: RequestState, tree: TokenTree) -> TreeNode | None:
         """hybrid: while the injected tree reaches fewer than S-1 layers below the root (after a re-root),
-        let the draft expand the next spine node before it is injected, so the next micro-batch can carry
+        the draft expands the next spine node before it is injected, so the next micro-batch can carry
         two layers and the tree catches up with the pipeline."""
         if self.policy != "hybrid" or tree.lead() >= self.num_stages - 1:
-            return
-        remaining = state.request.max_new_tokens - len(state.generated)
-        for _ in range(LOOKAHEAD):
-            nid = tree.spine(tree.root_node.depth + remaining)
-            while nid is not None and tree.nodes[nid].expanded:      # follow already expanded spine nodes
-                best = max((tree.nodes[c] for c in tree.nodes[nid].children), key=lambda n: n.score, default=None)
-                nid = best.id if best is not None and best.depth <= tree.root_node.depth + remaining else None
-            if nid is None or tree.nodes[nid].token in state.request.eos_ids:
-                return
-            state.count("lookahead_nodes")
-            self._expand(state, tree, [tree.nodes[nid]])
+            return None
+        limit = tree.root_node.depth + state.request.max_new_tokens - len(state.generated)
+        nid = tree.spine(limit)
+        while nid is not None and tree.nodes[nid].expanded:      # follow already expanded spine nodes
+            best = max((tree.nodes[c] for c in tree.nodes[nid].children), key=lambda n: n.score, default=None)
+            nid = best.id if best is not None and best.depth <= limit else None
+        if nid is None or tree.nodes[nid].token in state.request.eos_ids:
+            return None
+        state.count("lookahead_nodes")
+        return tree.nodes[nid]
 
-    def _fill(self, state: RequestState) -> None:
-        """Inject the next micro-batch if fewer than S of this request are in flight and the draft has
-        expanded everything injected so far; the new nodes then wait for expansion in work()."""
-        rid = state.request.request_id
-        tree = self.trees[rid]
-        if state.in_flight >= self.num_stages or rid in self.pending:
+    def _expand(self, jobs: list[tuple[str, list[TreeNode]]]) -> None:
+        """One draft call for the nodes of several requests; their proposals become children."""
+        jobs = [(rid, nodes) for rid, nodes in jobs if nodes]
+        if not jobs:
             return
-        root = tree.root_node
-        if not root.injected:                        # a bonus after a miss goes first, alone
-            root.injected = True
-            chosen = [root]
-        else:
-            remaining = state.request.max_new_tokens - len(state.generated)
-            chosen = [tree.nodes[i] for i in tree.select(self.policy, self.width, root.depth + remaining)]
-        if not chosen:
-            return
-        parent = {tree.root: state.committed[-2]}
-        self._inject([Segment(rid, [n.id for n in chosen], [parent.get(n.id, n.parent) for n in chosen],
-                              [n.depth for n in chosen], [n.token for n in chosen], [True] * len(chosen))])
-        state.count("nodes_injected", len(chosen))
-        self.pending[rid] = [n.id for n in chosen]
+        draft_jobs = []
+        for rid, nodes in jobs:
+            state, tree = self.requests[rid], self.trees[rid]
+            parent_of_root = state.committed[-2] if len(state.committed) > 1 else -1
+            draft_jobs.append((rid, [DraftNode(n.id, parent_of_root if n.id == tree.root else n.parent,
+                                               n.depth, n.token) for n in nodes]))
+        results = self._timed([self.requests[rid] for rid, _ in jobs],
+                              lambda: self.draft.expand_many(draft_jobs, self.topk),
+                              weights=[len(nodes) for _, nodes in jobs])
+        for (rid, nodes), proposals in zip(jobs, results):
+            if isinstance(proposals, Exception):
+                self._draft_failed(self.requests[rid], proposals)
+                continue
+            for n, props in zip(nodes, proposals):
+                self.trees[rid].add_children(n.id, props)
 
-    def _expand(self, state: RequestState, tree: TokenTree, nodes: list[TreeNode]) -> None:
-        if not nodes:
-            return
-        rid = state.request.request_id
-        parent_of_root = state.committed[-2] if len(state.committed) > 1 else -1
-        draft_nodes = [DraftNode(n.id, parent_of_root if n.id == tree.root else n.parent, n.depth, n.token)
-                       for n in nodes]
-        proposals = self._timed(state, self.draft.expand, rid, draft_nodes, self.topk)
-        for n, props in zip(nodes, proposals):
-            tree.add_children(n.id, props)
+    def _draft_failed(self, state: RequestState, error: Exception) -> None:
+        self._finish(state, "error", error=f"draft failed: {error!r}", error_code=13)
 
-    def _timed(self, state: RequestState, fn, *args):
+    def _timed(self, states: list[RequestState], fn, weights: list[int] | None = None):
+        """Run draft compute and charge its time to the requests (in proportion to `weights`)."""
         before = self.draft.compute_s
-        result = fn(*args)
-        state.count("draft_ms", (self.draft.compute_s - before) * 1e3)
+        result = fn()
+        spent = (self.draft.compute_s - before) * 1e3
+        weights = weights or [1] * len(states)
+        total = sum(weights)
+        for state, w in zip(states, weights):
+            state.count("draft_ms", spent * w / total)
         return result

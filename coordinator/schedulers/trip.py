@@ -31,6 +31,21 @@ class TripScheduler(SpecPipeScheduler):
         self.max_in_flight, self.bonus_alone = max_in_flight, bonus_alone
         self.min_logp = math.log(min_prob) if min_prob > 0 else -math.inf
 
+    @property
+    def kv_rows_per_batch(self) -> int:
+        return self.budget + 1
+
+    # -- no cross-request batching: each request's prompt and speculations travel alone ------------
+    def _dispatch(self) -> None:
+        for rid in list(self.prefill_next):
+            state = self.requests[rid]
+            del self.prefill_next[rid]
+            n = len(state.request.prompt_ids)
+            self._inject([Segment(rid, list(state.committed), [-1] + state.committed[:-1], list(range(n)),
+                                  list(state.request.prompt_ids), [False] * (n - 1) + [True])])
+        for state in list(self.requests.values()):
+            self._fill(state)
+
     def _fill(self, state: RequestState) -> None:
         rid = state.request.request_id
         tree = self.trees[rid]
@@ -42,15 +57,26 @@ class TripScheduler(SpecPipeScheduler):
         if state.in_flight < self.max_in_flight and rid not in self.pending:
             self.pending[rid] = []                 # the speculation is grown in work(), off the event path
 
+    def work(self) -> None:
+        for rid in list(self.pending):
+            try:
+                self._work_one(rid)
+            except Exception as e:        # a failing draft fails its request, not the scheduler
+                self.pending.pop(rid, None)
+                if rid in self.requests:
+                    self._draft_failed(self.requests[rid], e)
+
     def _work_one(self, rid: str) -> None:
         del self.pending[rid]
         state, tree = self.requests[rid], self.trees[rid]
         if rid not in self.begun:
             self.begun.add(rid)
-            self._timed(state, self.draft.begin, rid, state.request.prompt_ids)
+            self._timed([state], lambda: self.draft.begin(rid, state.request.prompt_ids))
         root = tree.root_node
         if not root.expanded:                  # may overlap the prompt's trip
-            self._expand(state, tree, [root])
+            self._expand([(rid, [root])])
+            if rid not in self.requests:
+                return                         # the draft failed the request
         if state.in_flight >= self.max_in_flight:
             return                             # the pipeline is full: _fill asks again after a result
         chosen = []
@@ -71,7 +97,9 @@ class TripScheduler(SpecPipeScheduler):
                 break
             grown += len(picked)
             chosen += picked
-            self._expand(state, tree, [n for n in picked if n.token not in state.request.eos_ids])
+            self._expand([(rid, [n for n in picked if n.token not in state.request.eos_ids])])
+            if rid not in self.requests:
+                return
         if not chosen:
             return                             # nothing to verify: wait for the outstanding result
         chosen.sort(key=lambda n: (n.depth, n.id))

@@ -1,0 +1,85 @@
+"""Admission control (pure): how many requests run at once, how many may wait, and whether their KV fits.
+
+A request asks for `need` KV slots (`kv_need`: the most nodes it can hold at one stage, rounded up the
+way stage caches grow). It runs when fewer than `max_active` requests run and the slots reserved by the
+running ones plus its own fit in `kv_slots` (the smallest stage's limit; None = no limit); otherwise it
+waits in a FIFO queue of at most `max_queue` requests; beyond that it is refused (`Overloaded`, which the
+API answers with RESOURCE_EXHAUSTED). A request that could never fit is refused at once.
+
+    a = Admission(max_active=1, max_queue=1, kv_slots=None)
+    a.offer("x", 64) -> True (runs)    a.offer("y", 64) -> False (waits)    a.offer("z", 64) -> Overloaded
+    a.release("x") -> ["y"]            (y runs now)
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from services.kv_cache import slots_allocated
+
+
+class Overloaded(RuntimeError):
+    """The server cannot take this request now (queue full) or ever (too large for the KV limit)."""
+
+
+def kv_need(prompt_tokens: int, max_new_tokens: int, num_stages: int, tree_rows: int) -> int:
+    """Slots a request may hold at one stage: its whole sequence plus the speculative rows that can be in
+    flight at once (`tree_rows` per micro-batch, S micro-batches), as allocated by a stage cache.
+
+    >>> kv_need(40, 100, 8, 16)   # 140 + 128 = 268 nodes -> a cache of 512 slots
+    512
+    """
+    return slots_allocated(prompt_tokens + max_new_tokens + num_stages * tree_rows)
+
+
+@dataclass
+class Admission:
+    max_active: int
+    max_queue: int
+    kv_slots: int | None = None
+    active: dict[str, int] = field(default_factory=dict)                    # request -> reserved slots
+    queue: OrderedDict[str, int] = field(default_factory=OrderedDict)       # waiting, oldest first
+
+    def __post_init__(self) -> None:
+        if self.max_active < 1 or self.max_queue < 0:
+            raise ValueError("max_active must be at least 1 and max_queue at least 0")
+
+    @property
+    def reserved(self) -> int:
+        return sum(self.active.values())
+
+    def offer(self, rid: str, need: int) -> bool:
+        """True: run now. False: queued. Raises Overloaded when the queue is full or it can never fit."""
+        if rid in self.active or rid in self.queue:
+            raise ValueError(f"request id {rid} is already admitted")
+        if self.kv_slots is not None and need > self.kv_slots:
+            raise Overloaded(f"the request needs {need} KV slots per stage (prompt, max_new_tokens and "
+                             f"speculation headroom), more than the {self.kv_slots} a stage holds; "
+                             "ask for fewer tokens")
+        if not self.queue and self._fits(need):
+            self.active[rid] = need
+            return True
+        if len(self.queue) >= self.max_queue:
+            raise Overloaded(f"server busy: {len(self.active)} requests running and {len(self.queue)} waiting "
+                             f"(limits {self.max_active} and {self.max_queue}); retry later")
+        self.queue[rid] = need
+        return False
+
+    def release(self, rid: str) -> list[str]:
+        """A request ended (or left the queue); returns the queued requests that may start now, in order."""
+        self.active.pop(rid, None)
+        self.queue.pop(rid, None)
+        started = []
+        while self.queue:
+            nxt, need = next(iter(self.queue.items()))
+            if not self._fits(need):
+                break
+            del self.queue[nxt]
+            self.active[nxt] = need
+            started.append(nxt)
+        return started
+
+    def _fits(self, need: int) -> bool:
+        if len(self.active) >= self.max_active:
+            return False
+        return self.kv_slots is None or self.reserved + need <= self.kv_slots

@@ -1,0 +1,122 @@
+"""Schedulers whose micro-batches carry rows of several requests (`cb-pp`, `specpipe` = SpecPipe-DB).
+
+The pipeline has S slots: at most S micro-batches are in flight in total, one per stage when the pipeline
+is full. Whenever a slot is free, `_dispatch` builds the next micro-batch from every *ready* request
+(its previous rows came back, its draft work is done) under a shared row budget (`node_budget`):
+
+1. Running requests first, in round-robin order. Each gets an equal share of the budget,
+   `share = max(1, node_budget // wanting)` rows, where `wanting` counts every request that wants rows,
+   prefilling ones included; the subclass may take fewer (`_next_rows`).
+2. Prefill chunks then take what is left, oldest request first. A prompt longer than what is left
+   continues in the next micro-batch; the pipeline keeps a request's micro-batches in order, so a chunk
+   always finds the KV of the chunk before it. Only the last prompt row asks for output.
+
+A micro-batch never exceeds `node_budget` rows except when a single request's rows alone do (a bonus node
+is never split). Worked example, node_budget 8, S = 2, requests A (running), B (running), C (new, 10-token
+prompt): wanting = 3, share = 2 -> A 2 rows, B 2 rows, C's first 4 prompt rows; the next free slot
+carries C's other 6 prompt rows beside whatever A and B have ready by then.
+"""
+from __future__ import annotations
+
+from abc import abstractmethod
+
+from services.batch import Control, MicroBatch, Segment
+
+from coordinator.schedulers.base import RequestState, Scheduler
+
+
+class BatchingScheduler(Scheduler):
+    def __init__(self, num_stages: int, node_budget: int = 32) -> None:
+        super().__init__(num_stages)
+        if node_budget < 1:
+            raise ValueError("node_budget must be at least 1")
+        self.node_budget = node_budget
+        self.prefill_next: dict[str, int] = {}     # request -> index of its next prompt row to inject
+        self._turn = 0                             # round-robin offset over running requests
+
+    # -- hooks for subclasses -----------------------------------------------------------------------
+    @abstractmethod
+    def _ready(self, state: RequestState) -> bool:
+        """The request (prefill fully injected) may put rows into the next micro-batch."""
+
+    @abstractmethod
+    def _next_rows(self, state: RequestState, share: int) -> Segment | None:
+        """The request's rows for the next micro-batch (at most `share`, unless one indivisible row set
+        is larger), marked as injected; None when it has nothing to send."""
+
+    def _admitted(self, state: RequestState) -> None:
+        """The request's prompt nodes exist (state.committed) and are about to be prefilled."""
+
+    def _decode_cap(self) -> int:
+        """At most this many rows of running requests per micro-batch."""
+        return self.node_budget
+
+    # -- scheduler hooks ----------------------------------------------------------------------------
+    def _start(self, state: RequestState) -> None:
+        rid, prompt = state.request.request_id, state.request.prompt_ids
+        nodes = [state.new_node() for _ in prompt]
+        state.committed.extend(nodes)
+        self._broadcast(Control(rid, commit=nodes))
+        self.prefill_next[rid] = 0
+        self._admitted(state)
+        self._dispatch()
+
+    def on_result(self, batch: MicroBatch) -> None:
+        super().on_result(batch)
+        self._dispatch()
+
+    def _finish(self, state: RequestState, reason: str, error: str = "", error_code: int = 0) -> None:
+        self.prefill_next.pop(state.request.request_id, None)
+        super()._finish(state, reason, error, error_code)
+
+    # -- batching -----------------------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        """Fill free pipeline slots with micro-batches of ready requests."""
+        while self.in_flight < self.num_stages:
+            segments = self._gather()
+            if not segments:
+                return
+            self._inject(segments)
+
+    def _gather(self) -> list[Segment]:
+        rids = list(self.requests)
+        if rids:
+            k = self._turn % len(rids)
+            rids = rids[k:] + rids[:k]
+            self._turn += 1
+        prefilling = [r for r in self.requests if r in self.prefill_next]      # oldest first
+        running = [r for r in rids if r not in self.prefill_next and self._ready(self.requests[r])]
+        wanting = len(prefilling) + len(running)
+        if not wanting:
+            return []
+        share = max(1, self.node_budget // wanting)
+        segments: list[Segment] = []
+        left = self.node_budget
+        decode_left = self._decode_cap()
+        for rid in running:
+            if left <= 0 or decode_left <= 0:
+                break
+            seg = self._next_rows(self.requests[rid], min(share, left, decode_left))
+            if seg is not None and seg.rows:
+                segments.append(seg)
+                left -= seg.rows
+                decode_left -= seg.rows
+        for rid in prefilling:
+            if left <= 0 and segments:
+                break
+            segments.append(self._prefill_chunk(self.requests[rid], max(left, 1)))
+            left -= segments[-1].rows
+        return segments
+
+    def _prefill_chunk(self, state: RequestState, rows: int) -> Segment:
+        rid, prompt = state.request.request_id, state.request.prompt_ids
+        start = self.prefill_next[rid]
+        end = min(len(prompt), start + rows)
+        nodes = state.committed[start:end]
+        parents = [state.committed[i - 1] if i else -1 for i in range(start, end)]
+        want = [i == len(prompt) - 1 for i in range(start, end)]
+        if end == len(prompt):
+            del self.prefill_next[rid]
+        else:
+            self.prefill_next[rid] = end
+        return Segment(rid, nodes, parents, list(range(start, end)), list(prompt[start:end]), want)
