@@ -56,7 +56,7 @@ class StageConfig:
     stage_time_ms: str = "0"            # emulated stage time "A" or "A+B" (A ms per step + B ms per row)
     grace_s: float = 10.0               # drain time on SIGTERM
     max_message_mb: int = 256           # gRPC send/receive limit
-    kv_limit_mb: int = 0                # K/V memory of all requests together; 0 = no limit
+    kv_limit_mb: float = 0.0            # K/V memory of all requests together; 0 = no limit
 
     def __post_init__(self) -> None:
         if self.num_stages < 1:
@@ -100,7 +100,8 @@ class StageConfig:
         p.add_argument("--stage-time-ms", default=os.environ.get("SPECPIPE_STAGE_TIME_MS", cls.stage_time_ms),
                        help="emulated stage time: at least A ms per step plus B ms per row ('A' or 'A+B')")
         p.add_argument("--grace-s", type=float, default=float(os.environ.get("SPECPIPE_GRACE_S", cls.grace_s)))
-        p.add_argument("--kv-limit-mb", type=int, default=_env_int("SPECPIPE_KV_LIMIT_MB", cls.kv_limit_mb),
+        p.add_argument("--kv-limit-mb", type=float,
+                       default=float(os.environ.get("SPECPIPE_KV_LIMIT_MB", cls.kv_limit_mb)),
                        help="K/V cache memory for all requests together (0 = no limit); a request that "
                             "would pass it fails with RESOURCE_EXHAUSTED, and the coordinator admits "
                             "requests only while their reserved KV fits")

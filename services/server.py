@@ -29,7 +29,7 @@ def build_runner(config: StageConfig) -> tuple[StageRunner, str]:
         num_layers = AutoConfig.from_pretrained(model_ref).num_hidden_layers
         first, last = even_split(num_layers, config.num_stages)[config.stage]
     shard = load_shard(model_ref, first, last, config.torch_dtype, config.device)
-    return StageRunner(shard, config.stage, kv_limit_bytes=config.kv_limit_mb * MiB), model_ref
+    return StageRunner(shard, config.stage, kv_limit_bytes=int(config.kv_limit_mb * MiB)), model_ref
 
 
 async def serve(config: StageConfig) -> None:

@@ -14,7 +14,7 @@ from coordinator.local import LocalStages, free_port
 
 
 @asynccontextmanager
-async def stage_servers(model: str, num_stages: int, stage_time_ms: str = "0"):
+async def stage_servers(model: str, num_stages: int, stage_time_ms: str = "0", kv_limit_mb: float = 0.0):
     """Yield (addresses, servicers) of num_stages stages serving `model`, wired into a pipeline."""
     ports = [free_port() for _ in range(num_stages)]
     addresses = [f"127.0.0.1:{p}" for p in ports]
@@ -23,7 +23,7 @@ async def stage_servers(model: str, num_stages: int, stage_time_ms: str = "0"):
         for i, port in enumerate(ports):
             config = StageConfig(model=model, stage=i, num_stages=num_stages, port=port,
                                  next_hop=addresses[i + 1] if i + 1 < num_stages else "",
-                                 stage_time_ms=stage_time_ms)
+                                 stage_time_ms=stage_time_ms, kv_limit_mb=kv_limit_mb)
             runner, _ = build_runner(config)
             servicer = StageServicer(runner, config, model_name="test")
             server = Server([SERVICE_NAME], config.max_message_mb * MiB)

@@ -32,15 +32,23 @@ class InProcessPipeline:
         self.ticks = 0
 
     def run(self, scheduler: Scheduler, requests: list[Request], max_ticks: int = 100_000,
-            on_tick: Callable[[], None] | None = None) -> dict[str, Outcome]:
-        """Run requests to completion; `on_tick` is called after every pipeline step (for invariants)."""
+            on_tick: Callable[[], None] | None = None, arrive: dict[str, int] | None = None,
+            cancel: dict[str, int] | None = None) -> dict[str, Outcome]:
+        """Run requests to completion; `on_tick` is called after every pipeline step (for invariants).
+        `arrive` / `cancel` map request ids to the tick at which they are added / cancelled (default:
+        all arrive at tick 0, none is cancelled)."""
         outcomes = {r.request_id: Outcome() for r in requests}
-        for r in requests:
-            scheduler.add(r)
+        arrive, cancel = arrive or {}, dict(cancel or {})
+        pending = sorted(requests, key=lambda r: arrive.get(r.request_id, 0))
         stages: list[MicroBatch | None] = [None] * len(self.runners)
         waiting: deque[MicroBatch] = deque()
         done: set[str] = set()
-        for _ in range(max_ticks):
+        for tick in range(max_ticks):
+            while pending and arrive.get(pending[0].request_id, 0) <= tick:
+                scheduler.add(pending.pop(0))
+            for rid in [r for r, t in cancel.items() if t <= tick]:
+                del cancel[rid]
+                scheduler.cancel(rid)
             self._apply(scheduler, outcomes, waiting, done)
             if len(done) == len(requests) and not any(stages) and not waiting:
                 return outcomes

@@ -5,16 +5,16 @@ is full. Whenever a slot is free, `_dispatch` builds the next micro-batch from e
 (its previous rows came back, its draft work is done) under a shared row budget (`node_budget`):
 
 1. Running requests first, in round-robin order. Each gets an equal share of the budget,
-   `share = max(1, node_budget // wanting)` rows, where `wanting` counts every request that wants rows,
-   prefilling ones included; the subclass may take fewer (`_next_rows`).
+   `share = max(1, node_budget // requests)` rows, counting every request the scheduler holds (running,
+   prefilling, or waiting for its rows to come back); the subclass may take fewer (`_next_rows`).
 2. Prefill chunks then take what is left, oldest request first. A prompt longer than what is left
    continues in the next micro-batch; the pipeline keeps a request's micro-batches in order, so a chunk
    always finds the KV of the chunk before it. Only the last prompt row asks for output.
 
 A micro-batch never exceeds `node_budget` rows except when a single request's rows alone do (a bonus node
 is never split). Worked example, node_budget 8, S = 2, requests A (running), B (running), C (new, 10-token
-prompt): wanting = 3, share = 2 -> A 2 rows, B 2 rows, C's first 4 prompt rows; the next free slot
-carries C's other 6 prompt rows beside whatever A and B have ready by then.
+prompt): share = 8 // 3 = 2 -> A 2 rows, B 2 rows, C's first 4 prompt rows; the next free slot carries
+C's other 6 prompt rows beside whatever A and B have ready by then.
 """
 from __future__ import annotations
 
@@ -86,10 +86,9 @@ class BatchingScheduler(Scheduler):
             self._turn += 1
         prefilling = [r for r in self.requests if r in self.prefill_next]      # oldest first
         running = [r for r in rids if r not in self.prefill_next and self._ready(self.requests[r])]
-        wanting = len(prefilling) + len(running)
-        if not wanting:
+        if not prefilling and not running:
             return []
-        share = max(1, self.node_budget // wanting)
+        share = max(1, self.node_budget // len(self.requests))
         segments: list[Segment] = []
         left = self.node_budget
         decode_left = self._decode_cap()

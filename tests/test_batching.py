@@ -1,0 +1,119 @@
+"""Many requests at once (cb-pp, SpecPipe-DB) in-process: exact outputs under staggered arrivals and
+cancellations, micro-batches within the node budget, groups and widths as documented, no state left."""
+from __future__ import annotations
+
+import pytest
+
+from coordinator.drafts.model import ModelDraft, quantized_copy
+from coordinator.drivers.inprocess import InProcessPipeline
+from coordinator.schedulers.base import Inject, Request
+from coordinator.schedulers.cbpp import CBPPScheduler
+from coordinator.schedulers.specpipe import SpecPipeScheduler
+from reference import hf_greedy, prompts
+from test_shard import make_runners
+
+
+class Recording:
+    """Wraps a scheduler's poll() to keep every injected micro-batch."""
+
+    def __init__(self, sched) -> None:
+        self.batches = []
+        poll = sched.poll
+
+        def recorded():
+            actions = poll()
+            self.batches += [a.batch for a in actions if isinstance(a, Inject)]
+            return actions
+        sched.poll = recorded
+
+
+def quant_draft(model) -> ModelDraft:
+    return ModelDraft(quantized_copy(str(model)), name="quant")
+
+
+def assert_nothing_left(sched, runners, draft=None) -> None:
+    assert not sched.requests and not sched.prefill_next and not sched._batches
+    for name in ("trees", "pending", "begun", "next_row"):
+        assert not getattr(sched, name, {}), f"scheduler keeps {name}"
+    assert all(not r.cache.requests and r.cache.nbytes() == 0 for r in runners), "a stage keeps KV"
+    if draft is not None:
+        assert not draft.runner.cache.requests, "the draft keeps KV"
+
+
+def staggered(n: int, seed: int, new: list[int]) -> tuple[list[Request], dict[str, int]]:
+    ps = prompts(n, seed=seed, low=3)
+    reqs = [Request(f"r{i}", p, new[i % len(new)]) for i, p in enumerate(ps)]
+    return reqs, {f"r{i}": 2 * i + (i % 3) for i in range(n)}
+
+
+@pytest.mark.parametrize("method", ["cb-pp", "specpipe"])
+def test_sixteen_staggered_requests_with_cancellations_are_exact(tiny_model8, tiny_hf8, method):
+    """16 requests of different lengths arrive over 40 pipeline steps; 4 are cancelled mid-stream.
+    Every other request produces exactly its greedy output alone; cancelled ones a prefix of it; then no
+    scheduler, stage or draft state is left."""
+    S = 4
+    runners = make_runners(tiny_model8, S, layers=8)
+    draft = quant_draft(tiny_model8) if method == "specpipe" else None
+    sched = CBPPScheduler(S, node_budget=12) if method == "cb-pp" else \
+        SpecPipeScheduler(S, draft, width=4, node_budget=12)
+    rec = Recording(sched)
+    reqs, arrive = staggered(16, seed=5, new=[6, 14, 9, 20])
+    cancelled = {"r2": 12, "r7": 25, "r11": 30, "r15": arrive["r15"] + 6}
+    out = InProcessPipeline(runners).run(sched, reqs, arrive=arrive, cancel=cancelled)
+    for r in reqs:
+        o, want = out[r.request_id], hf_greedy(tiny_hf8, r.prompt_ids, r.max_new_tokens)
+        if r.request_id in cancelled:
+            assert o.reason == "cancelled" and o.tokens == want[:len(o.tokens)], r.request_id
+        else:
+            assert o.reason == "length" and o.tokens == want, r.request_id
+    assert sum(out[r].reason == "cancelled" and 0 < len(out[r].tokens) for r in cancelled) >= 2, \
+        "some cancellations must land mid-stream"
+    assert max(len({s.request_id for s in b.segments}) for b in rec.batches) >= 4, "requests share batches"
+    assert_nothing_left(sched, runners, draft)
+
+
+def test_micro_batches_stay_within_the_node_budget(tiny_model8, tiny_hf8):
+    """Node budget 6 with 5 requests, prompts up to 11 tokens (chunked prefill): no micro-batch carries
+    more than 6 rows, yet every output is exact."""
+    runners = make_runners(tiny_model8, 2, layers=8)
+    draft = quant_draft(tiny_model8)
+    sched = SpecPipeScheduler(2, draft, width=4, node_budget=6)
+    rec = Recording(sched)
+    reqs = [Request(f"r{i}", p, 10) for i, p in enumerate(prompts(5, seed=9))]
+    out = InProcessPipeline(runners).run(sched, reqs)
+    for r in reqs:
+        assert out[r.request_id].tokens == hf_greedy(tiny_hf8, r.prompt_ids, 10)
+    assert max(b.rows for b in rec.batches) <= 6
+    assert any(len(r.prompt_ids) > 6 for r in reqs), "a prompt longer than the budget is prefilled in chunks"
+    assert_nothing_left(sched, runners, draft)
+
+
+def test_width_adapts_to_the_number_of_requests(tiny_model8):
+    """Alone a request gets its full width (4); while 4 requests share a budget of 8, each gets 2 rows."""
+    def tree_rows(n: int) -> list[list[int]]:
+        """Per micro-batch, each request's tree rows (prompt rows left out)."""
+        sched = SpecPipeScheduler(4, quant_draft(tiny_model8), width=4, node_budget=8)
+        rec = Recording(sched)
+        reqs = [Request(f"r{i}", [5 + i, 6, 7], 12) for i in range(n)]
+        InProcessPipeline(make_runners(tiny_model8, 4, layers=8)).run(sched, reqs)
+        return [[sum(nid >= 3 for nid in s.node_ids) for s in b.segments] for b in rec.batches]
+    assert max(max(rows) for rows in tree_rows(1)) == 4
+    shared = [rows for rows in tree_rows(4) if len(rows) == 4]
+    assert len(shared) > 5 and max(max(rows) for rows in shared) == 2
+
+
+def test_cb_pp_rotates_groups_through_the_stages(tiny_model8, tiny_hf8):
+    """8 requests over 4 stages: the pipeline holds 4 micro-batches of 2 requests' next tokens."""
+    runners = make_runners(tiny_model8, 4, layers=8)
+    sched = CBPPScheduler(4, node_budget=32)
+    rec = Recording(sched)
+    reqs = [Request(f"r{i}", p, 12) for i, p in enumerate(prompts(8, seed=3))]
+    out = InProcessPipeline(runners).run(sched, reqs)
+    for r in reqs:
+        assert out[r.request_id].tokens == hf_greedy(tiny_hf8, r.prompt_ids, 12)
+    decode = [b for b in rec.batches if all(len(s.node_ids) == 1 and s.positions[0] > 0 for s in b.segments)]
+    assert decode and max(len(b.segments) for b in decode) == 2
+    assert sum(len(b.segments) == 2 for b in decode) > len(decode) // 2
+    # each request still commits one token per trip: about S steps per token, as pp
+    assert all(out[r.request_id].stats["tokens_per_step"] <= 1 / 4 + 0.05 for r in reqs)
+    assert_nothing_left(sched, runners)
