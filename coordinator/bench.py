@@ -66,10 +66,20 @@ class BenchConfig:
     hf_reference: bool = False         # also time transformers' generate / assisted generate in-process
     sps_ks: list[int] = field(default_factory=list)                    # sweep of sps k (empty: default)
     tree_shapes: list[tuple[int, int]] = field(default_factory=list)   # sweep of tree (nodes, depth)
+    concurrency: list[int] = field(default_factory=lambda: [1])   # >1: clients at once (bench_load)
+    rounds: int = 2                    # requests per client at each concurrency level
+    node_budget: int = 32              # specpipe, cb-pp: rows per micro-batch shared by requests
     variants: list[Variant] = field(default_factory=list)
+
+    @property
+    def load(self) -> bool:
+        """A concurrency sweep rather than one request at a time."""
+        return self.concurrency != [1]
 
     def __post_init__(self) -> None:
         parse_stage_time(self.stage_time_ms)
+        if not self.concurrency or min(self.concurrency) < 1 or self.rounds < 1:
+            raise ValueError("concurrency levels and rounds must be at least 1")
         if not self.variants:
             for m in self.methods:
                 if m == "specpipe":
@@ -143,9 +153,15 @@ async def run_bench(cfg: BenchConfig, log=print) -> dict:
         try:
             await stages.wait_ready()
             coordinator = await Coordinator.connect(CoordinatorConfig(
-                stages=tuple(stages.addresses), model=cfg.model, draft=cfg.draft, max_new_tokens_cap=1 << 20))
+                stages=tuple(stages.addresses), model=cfg.model, draft=cfg.draft, max_new_tokens_cap=1 << 20,
+                node_budget=cfg.node_budget, max_active=max(cfg.concurrency), max_queue=max(cfg.concurrency)))
             runs: dict[Variant, list[dict]] = {v: [] for v in cfg.variants}
             await _one(coordinator, cfg.variants[0], prompts[0], 4)            # warm-up, not counted
+            if cfg.load:
+                from coordinator.bench_load import run_levels
+                out_rows += await run_levels(coordinator, cfg.variants, prompts, num_stages, cfg.concurrency,
+                                             cfg.rounds, cfg.max_new_tokens, stage_time, log)
+                continue
             for pi, prompt in enumerate(prompts):
                 for v in cfg.variants:                                          # interleaved
                     stats = await _one(coordinator, v, prompt, cfg.max_new_tokens)
@@ -190,8 +206,8 @@ async def _one(coordinator: Coordinator, v: Variant, prompt: dict, max_new: int)
 
 def table(result: dict) -> str:
     rows = result["rows"]
-    head = f"{'S':>3} {'variant':<28} {'tbt ms':>8} {'p90':>8} {'ttft ms':>8} {'tok/step':>9} {'hit':>6} " \
-           f"{'tok/s':>7} {'draft%':>7} {'ovh%':>6}  flags"
+    head = f"{'S':>3} {'c':>3} {'variant':<28} {'tbt ms':>8} {'p90':>8} {'ttft ms':>8} {'tok/step':>9} " \
+           f"{'hit':>6} {'tok/s':>7} {'draft%':>7} {'ovh%':>6}  flags"
     lines = [head, "-" * len(head)]
     for r in rows:
         hit = f"{r['hit_rate']:.2f}" if r["hit_rate"] is not None else "-"
@@ -199,12 +215,15 @@ def table(result: dict) -> str:
             if r["compute_overrun_stages"] else ""
         tps = f"{r['tokens_per_step']:.2f}" if r["tokens_per_step"] is not None else "-"
         ovh = f"{100 * r['overhead_share']:.1f}%" if r.get("overhead_share") is not None else "-"
-        lines.append(f"{r['stages']:>3} {r['label']:<28} {r['tbt_ms_mean']:>8.1f} {r['tbt_ms_p90']:>8.1f} "
+        lines.append(f"{r['stages']:>3} {r['concurrency']:>3} {r['label']:<28} {r['tbt_ms_mean']:>8.1f} "
+                     f"{r['tbt_ms_p90']:>8.1f} "
                      f"{r['ttft_ms_mean']:>8.0f} {tps:>9} {hit:>6} "
                      f"{r['throughput_tok_s']:>7.2f} {100 * r['draft_share']:>6.1f}% {ovh:>6}  {flag}")
-    base = {r["stages"]: r["tbt_ms_mean"] for r in rows if r["method"] == "pp"}
+    from coordinator.bench_load import ratios
+    lines += ratios(rows)
+    base = {r["stages"]: r["tbt_ms_mean"] for r in rows if r["method"] == "pp" and r["concurrency"] == 1}
     for r in rows:
-        if r["method"] != "pp" and r["stages"] in base and r["tbt_ms_mean"]:
+        if r["method"] != "pp" and r["concurrency"] == 1 and r["stages"] in base and r["tbt_ms_mean"]:
             lines.append(f"    S={r['stages']} {r['label']}: {base[r['stages']] / r['tbt_ms_mean']:.2f}x lower "
                          "time between tokens than pp")
     return "\n".join(lines)
@@ -238,6 +257,11 @@ def main_args(p) -> None:
     p.add_argument("--sps-k", default="", help="comma-separated k values to sweep for sps")
     p.add_argument("--tree-nodes", default="", help="comma-separated node budgets to sweep for tree")
     p.add_argument("--tree-depth", default="", help="comma-separated depths to sweep for tree (with --tree-nodes)")
+    p.add_argument("--concurrency", default="1",
+                   help="comma-separated numbers of clients at once, e.g. 1,4,8,16 (with cb-pp,specpipe)")
+    p.add_argument("--rounds", type=int, default=2, help="requests per client at each concurrency level")
+    p.add_argument("--node-budget", type=int, default=32,
+                   help="specpipe, cb-pp: rows per micro-batch shared by the requests in it")
     p.add_argument("--simulate", action="store_true",
                    help="simulated clock: real model outputs, modelled stage time (fast sweeps of S)")
     p.add_argument("--hf-reference", action="store_true",
@@ -251,7 +275,8 @@ def config_from_args(a) -> BenchConfig:
                        policies=strs(a.tree_policies), stage_time_ms=a.stage_time_ms,
                        max_new_tokens=a.max_new_tokens, prompts=a.prompts, num_prompts=a.num_prompts,
                        out=a.out, model=a.model, draft=a.draft, dtype=a.dtype, device=a.device, threads=a.threads,
-                       hf_reference=a.hf_reference, sps_ks=ints(a.sps_k),
+                       hf_reference=a.hf_reference, sps_ks=ints(a.sps_k), concurrency=ints(a.concurrency),
+                       rounds=a.rounds, node_budget=a.node_budget,
                        tree_shapes=[(n, d) for n in ints(a.tree_nodes) for d in ints(a.tree_depth or "6")])
 
 

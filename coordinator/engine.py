@@ -208,7 +208,7 @@ class Engine:
                 batch.batch_id = local_id
                 await self._call(sched, sched.on_result, batch)
         except Exception as e:
-            log.error("pipeline results failed", error=str(e))
+            log.exception("pipeline results failed", error=str(e))
             self._fail_all(e)
 
     def _account(self, batch: MicroBatch, sent: float | None) -> None:

@@ -117,3 +117,12 @@ def test_cb_pp_rotates_groups_through_the_stages(tiny_model8, tiny_hf8):
     # each request still commits one token per trip: about S steps per token, as pp
     assert all(out[r.request_id].stats["tokens_per_step"] <= 1 / 4 + 0.05 for r in reqs)
     assert_nothing_left(sched, runners)
+
+
+@pytest.mark.parametrize("method", ["pp", "cb-pp", "specpipe", "sps", "tree", "pipeinfer"])
+def test_a_one_token_prompt_works_for_every_method(tiny_model8, tiny_hf8, method):
+    """The root of a one-token prompt has no parent (a regression: it was looked up as committed[-2])."""
+    from coordinator.schedulers.registry import SpecOptions, make_scheduler
+    sched = make_scheduler(method, 2, SpecOptions(quant_draft(tiny_model8), width=4))
+    out = InProcessPipeline(make_runners(tiny_model8, 2, layers=8)).run(sched, [Request("r", [11], 8)])
+    assert out["r"].tokens == hf_greedy(tiny_hf8, [11], 8)

@@ -45,6 +45,28 @@ async def test_bench_runs_methods_side_by_side(tiny_model8, tmp_path):
     assert "lower time between tokens than pp" in table(result)
 
 
+async def test_bench_concurrency_sweep(tiny_model8, tmp_path):
+    """--concurrency 1,3 --methods cb-pp,specpipe: one row per (method, level) with every request counted,
+    throughput over the level's wall time, and the two concurrency plots."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt_token_ids": p}) for p in ([5, 6, 7], [9, 10], [11])))
+    cfg = BenchConfig(stages=[2], methods=["cb-pp", "specpipe"], widths=[4], policies=["hybrid"],
+                      stage_time_ms="5", max_new_tokens=5, prompts=str(prompts), num_prompts=0,
+                      out=str(tmp_path / "out"), model=str(tiny_model8), concurrency=[1, 3], rounds=2,
+                      node_budget=8)
+    result = await run_bench(cfg, log=lambda m: None)
+    rows = {(r["label"], r["concurrency"]): r for r in result["rows"]}
+    assert set(rows) == {(v, c) for v in ("cb-pp", "specpipe/hybrid/w4") for c in (1, 3)}
+    for (label, c), r in rows.items():
+        assert REQUIRED <= set(r) and r["requests"] == 2 * c and r["tokens"] == 5 * 2 * c
+        assert r["throughput_tok_s"] == pytest.approx(r["tokens"] / r["wall_s"])
+        assert r["tbt_ms_p50"] <= r["tbt_ms_p90"] and r["ttft_ms_p50"] <= r["ttft_ms_p90"]
+    assert rows[("cb-pp", 1)]["hit_rate"] is None and rows[("cb-pp", 1)]["tokens_per_step"] == pytest.approx(0.5)
+    files = [tmp_path / "out" / n for n in ("throughput_vs_concurrency.png", "tbt_vs_concurrency.png")]
+    assert all(f.read_bytes()[:8] == PNG for f in files)
+    assert "the throughput of cb-pp" in table(result)
+
+
 @pytest.mark.slow
 def test_hf_reference_rows(tmp_path):
     from coordinator.hf_reference import hf_rows

@@ -65,6 +65,11 @@ class RequestState:
     last_step: int = 0
     counters: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def root_parent(self) -> int:
+        """Parent of the last committed node (-1 when it is a one-token prompt)."""
+        return self.committed[-2] if len(self.committed) > 1 else -1
+
     def new_node(self) -> int:
         self.next_node += 1
         return self.next_node - 1

@@ -77,7 +77,7 @@ class SpecPipeScheduler(BatchingScheduler):
             chosen = [tree.nodes[i] for i in tree.select(self.policy, width, root.depth + remaining)]
         if not chosen:
             return None
-        parent = {tree.root: state.committed[-2]}
+        parent = {tree.root: state.root_parent}
         state.count("nodes_injected", len(chosen))
         self.pending[rid] = [n.id for n in chosen]
         return Segment(rid, [n.id for n in chosen], [parent.get(n.id, n.parent) for n in chosen],
@@ -180,7 +180,7 @@ class SpecPipeScheduler(BatchingScheduler):
         draft_jobs = []
         for rid, nodes in jobs:
             state, tree = self.requests[rid], self.trees[rid]
-            parent_of_root = state.committed[-2] if len(state.committed) > 1 else -1
+            parent_of_root = state.root_parent
             draft_jobs.append((rid, [DraftNode(n.id, parent_of_root if n.id == tree.root else n.parent,
                                                n.depth, n.token) for n in nodes]))
         results = self._timed([self.requests[rid] for rid, _ in jobs],

@@ -52,7 +52,7 @@ class TripScheduler(SpecPipeScheduler):
         if self.bonus_alone and not tree.root_node.injected:      # PipeInfer's non-speculative run
             root = tree.root_node
             root.injected = True
-            self._inject([Segment(rid, [root.id], [state.committed[-2]], [root.depth], [root.token], [True])])
+            self._inject([Segment(rid, [root.id], [state.root_parent], [root.depth], [root.token], [True])])
             state.count("nodes_injected")
         if state.in_flight < self.max_in_flight and rid not in self.pending:
             self.pending[rid] = []                 # the speculation is grown in work(), off the event path
@@ -103,7 +103,7 @@ class TripScheduler(SpecPipeScheduler):
         if not chosen:
             return                             # nothing to verify: wait for the outstanding result
         chosen.sort(key=lambda n: (n.depth, n.id))
-        parent = {tree.root: state.committed[-2]}
+        parent = {tree.root: state.root_parent}
         self._inject([Segment(rid, [n.id for n in chosen], [parent.get(n.id, n.parent) for n in chosen],
                               [n.depth for n in chosen], [n.token for n in chosen], [True] * len(chosen))])
         state.count("nodes_injected", len(chosen))
