@@ -23,7 +23,7 @@ EXAMPLES = """examples:
 
 def _generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="prompt text")
-    p.add_argument("--method", default="", help="specpipe, pp, sps, tree or pipeinfer (default: the server's, specpipe)")
+    p.add_argument("--method", default="", help="specpipe, pp, cb-pp, sps, tree or pipeinfer (default: the server's, specpipe)")
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=50051, help="coordinator port")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--method", default="specpipe", help="default method")
+    p.add_argument("--max-active", type=int, default=64, help="requests running at once")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests waiting for admission; more are refused with RESOURCE_EXHAUSTED")
+    p.add_argument("--kv-limit-mb", type=float, default=0.0,
+                   help="K/V memory limit of every stage for all requests together (0 = none)")
     p = sub.add_parser("generate", help="stream a generation from a running coordinator")
     _generation_args(p)
     p.add_argument("--addr", default="127.0.0.1:50051", help="coordinator HOST:PORT")
@@ -119,7 +124,8 @@ async def _start_local(args):
 
     model = await asyncio.to_thread(resolve_model, args.model, stderr_log)
     stages = LocalStages(args.stages, model=model, dtype=args.dtype, device=args.device,
-                         threads=args.threads, stage_time_ms=args.stage_time_ms)
+                         threads=args.threads, stage_time_ms=args.stage_time_ms,
+                         kv_limit_mb=getattr(args, "kv_limit_mb", 0.0))
     stages.start()
     print(f"specpipe: starting {args.stages} stage process(es) (logs in {stages.log_dir})", file=sys.stderr)
     try:
@@ -182,7 +188,8 @@ async def cmd_local(args) -> int:
     server = coordinator = None
     try:
         config = CoordinatorConfig(stages=tuple(stages.addresses), model=model, host=args.host,
-                                   port=args.port, method=args.method, **spec_kwargs(args))
+                                   port=args.port, method=args.method, max_active=args.max_active,
+                                   max_queue=args.max_queue, **spec_kwargs(args))
         server, coordinator = await start(config)
         print(f"specpipe: serving {args.stages} stage(s) at {args.host}:{server.port} "
               f"(specpipe.v1.Generation); Ctrl-C stops", file=sys.stderr, flush=True)

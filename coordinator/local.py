@@ -35,6 +35,7 @@ class LocalStages:
     device: str = "cpu"
     threads: int = 1
     stage_time_ms: str = "0"
+    kv_limit_mb: float = 0.0
     host: str = "127.0.0.1"
     log_dir: Path | None = None
     procs: list[subprocess.Popen] = field(default_factory=list)
@@ -53,7 +54,7 @@ class LocalStages:
                    "--num-stages", str(self.num_stages), "--host", self.host, "--port", str(port),
                    "--next-hop", self.addresses[i + 1] if i + 1 < self.num_stages else "",
                    "--dtype", self.dtype, "--device", self.device, "--threads", str(self.threads),
-                   "--stage-time-ms", self.stage_time_ms]
+                   "--stage-time-ms", self.stage_time_ms, "--kv-limit-mb", str(self.kv_limit_mb)]
             log = open(self.log_path(i), "w")
             self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                                start_new_session=True))
