@@ -30,6 +30,7 @@ class CoordinatorConfig:
     pipeinfer_run: int = _SPEC.pipeinfer_run           # pipeinfer: draft tokens per speculative run
     pipeinfer_min_prob: float = _SPEC.pipeinfer_min_prob  # pipeinfer: end runs where the draft is less sure
     node_budget: int = _SPEC.node_budget               # specpipe, cb-pp: rows per micro-batch, all requests
+    verify: str = _SPEC.verify                         # sampling verification: match | rejection
     max_active: int = 64                 # requests running at once
     max_queue: int = 256                 # requests waiting for admission; more are refused
     default_max_new_tokens: int = 128
@@ -53,6 +54,8 @@ class CoordinatorConfig:
             raise ValueError("max_queue must be 0 or more")
         if not 0.0 <= self.pipeinfer_min_prob < 1.0:
             raise ValueError("pipeinfer_min_prob must be in [0, 1)")
+        if self.verify not in ("match", "rejection"):
+            raise ValueError(f"unknown verifier {self.verify!r}; choose match or rejection")
         if self.tree_policy not in ("layer", "best-first", "hybrid"):
             raise ValueError(f"unknown tree policy {self.tree_policy!r}; choose layer, best-first or hybrid")
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_cap:
@@ -111,6 +114,9 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeinfer-run", type=int, default=d.pipeinfer_run, help="pipeinfer: draft tokens per run")
     p.add_argument("--pipeinfer-min-prob", type=float, default=d.pipeinfer_min_prob,
                    help="pipeinfer: end a run where the draft's probability falls below this")
+    p.add_argument("--verify", default=os.environ.get("SPECPIPE_VERIFY", d.verify), choices=["match", "rejection"],
+                   help="sampling verification: match (the target's seeded sample decides; reproducible, "
+                        "ships one token per row) or rejection (speculative sampling; ships distributions)")
     p.add_argument("--node-budget", type=int, default=int(os.environ.get("SPECPIPE_NODE_BUDGET", d.node_budget)),
                    help="specpipe, cb-pp: rows per micro-batch shared by all requests in it")
 
@@ -119,4 +125,4 @@ def spec_kwargs(a: argparse.Namespace) -> dict:
     return dict(draft=a.draft, draft_model=a.draft_model, draft_device=a.draft_device,
                 draft_threads=a.draft_threads, width=a.width, tree_policy=a.tree_policy, topk=a.topk,
                 sps_k=a.sps_k, tree_nodes=a.tree_nodes, tree_depth=a.tree_depth, pipeinfer_run=a.pipeinfer_run,
-                pipeinfer_min_prob=a.pipeinfer_min_prob, node_budget=a.node_budget)
+                pipeinfer_min_prob=a.pipeinfer_min_prob, node_budget=a.node_budget, verify=a.verify)

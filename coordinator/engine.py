@@ -15,6 +15,7 @@ from typing import Protocol
 
 from services.batch import Control, MicroBatch
 from services.logs import get_logger
+from services.sampling import GREEDY, Sampling
 
 from coordinator.admission import Admission, kv_need
 from coordinator.schedulers.base import Broadcast, Emit, Finish, Inject, Request, Scheduler
@@ -104,7 +105,7 @@ class Engine:
 
     async def submit(self, prompt_ids: list[int], max_new_tokens: int, method: str = "",
                      eos_ids: frozenset[int] = frozenset(), request_id: str = "",
-                     spec: SpecOptions | None = None) -> tuple[str, asyncio.Queue]:
+                     spec: SpecOptions | None = None, sampling: Sampling = GREEDY) -> tuple[str, asyncio.Queue]:
         """Start a request, waiting in the admission queue if the server is full; returns its id and its
         event queue. Raises ValueError for bad input, Overloaded when the queue is full or the request can
         never fit, RuntimeError when the pipeline has failed or the engine closes while it waits."""
@@ -123,7 +124,7 @@ class Engine:
                 self._waiting[rid] = asyncio.get_running_loop().create_future()
                 await self._waiting[rid]
             added = True
-            await self._call(sched, sched.add, Request(rid, list(prompt_ids), max_new_tokens, eos_ids))
+            await self._call(sched, sched.add, Request(rid, list(prompt_ids), max_new_tokens, eos_ids, sampling))
         except BaseException as e:
             self._waiting.pop(rid, None)
             if added and isinstance(e, asyncio.CancelledError):

@@ -1,7 +1,10 @@
 """Checking a generation request against the model and the server's limits (pure; no gRPC)."""
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
+
+from services.sampling import GREEDY, Sampling
 
 
 class InvalidRequest(ValueError):
@@ -23,11 +26,14 @@ class Params:
     method: str
     stop: tuple[str, ...]
     ignore_eos: bool
+    sampling: Sampling = GREEDY
 
 
 def check(prompt_ids: list[int], max_new_tokens: int | None, method: str, methods: list[str],
           temperature: float, top_p: float, top_k: int, stop: list[str], ignore_eos: bool,
-          limits: Limits) -> Params:
+          limits: Limits, seed: int = 0) -> Params:
+    """Validate a request. Sampling: temperature 0 is greedy; top_p 0 reads as 1 (unset); seed 0 means
+    'pick one' — the seed used is below 2**53 and reported in the stats, so the output can be reproduced."""
     if not prompt_ids:
         raise InvalidRequest("empty prompt: give prompt text or prompt_token_ids")
     bad = [t for t in prompt_ids if not 0 <= t < limits.vocab_size]
@@ -43,11 +49,13 @@ def check(prompt_ids: list[int], max_new_tokens: int | None, method: str, method
                              f"model's context of {limits.max_position} tokens")
     if method not in methods:
         raise InvalidRequest(f"unknown method {method!r}; available: {', '.join(sorted(methods))}")
-    if temperature < 0 or top_p < 0 or top_p > 1 or top_k < 0:
-        raise InvalidRequest("temperature must be >= 0, top_p in [0, 1], top_k >= 0")
-    if temperature > 0:
-        raise InvalidRequest("sampling (temperature > 0) is not supported by this build yet; "
-                             "use temperature 0 (greedy)")
+    sampling = Sampling(temperature, top_p or 1.0, top_k, seed)
+    try:
+        sampling.check()
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None
+    if not sampling.greedy and not seed:
+        sampling = Sampling(temperature, top_p or 1.0, top_k, secrets.randbelow((1 << 53) - 1) + 1)
     if any(len(s) > 256 for s in stop) or len(stop) > 16:
         raise InvalidRequest("at most 16 stop strings of at most 256 characters each")
-    return Params(list(prompt_ids), n, method, tuple(s for s in stop if s), ignore_eos)
+    return Params(list(prompt_ids), n, method, tuple(s for s in stop if s), ignore_eos, sampling)

@@ -79,7 +79,7 @@ class Coordinator:
         spec = SpecOptions(draft=draft, width=config.width, policy=config.tree_policy, topk=config.topk,
                            sps_k=config.sps_k, tree_nodes=config.tree_nodes, tree_depth=config.tree_depth,
                            pipeinfer_run=config.pipeinfer_run, pipeinfer_min_prob=config.pipeinfer_min_prob,
-                           node_budget=config.node_budget)
+                           node_budget=config.node_budget, verify=config.verify)
         kv_slots = [i.kv_limit_bytes // i.kv_bytes_per_slot for i in pipeline.infos
                     if i.kv_limit_bytes and i.kv_bytes_per_slot]
         admission = Admission(config.max_active, config.max_queue, min(kv_slots) if kv_slots else None)
@@ -107,7 +107,7 @@ class Coordinator:
         else:
             ids = []
         return check(ids, inp.max_new_tokens, inp.method or self.config.method, list(METHODS),
-                     inp.temperature, inp.top_p, inp.top_k, inp.stop, inp.ignore_eos, self.limits)
+                     inp.temperature, inp.top_p, inp.top_k, inp.stop, inp.ignore_eos, self.limits, inp.seed)
 
     def _spec(self, inp: GenerateInput) -> SpecOptions | None:
         return replace(self.engine.spec, **inp.spec_overrides) if inp.spec_overrides else None
@@ -117,7 +117,8 @@ class Coordinator:
         eos = frozenset() if params.ignore_eos else self.eos_ids
         try:
             rid, events = await self.engine.submit(params.prompt_ids, params.max_new_tokens, params.method, eos,
-                                                   request_id=inp.request_id, spec=self._spec(inp))
+                                                   request_id=inp.request_id, spec=self._spec(inp),
+                                                   sampling=params.sampling)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
         except Overloaded as e:
@@ -143,6 +144,8 @@ class Coordinator:
                     raise GenerationFailed(fin.error, fin.error_code or 13)
                 reason = "stop" if text.stopped else fin.reason
                 stats = dict(fin.stats, prompt_tokens=len(params.prompt_ids))
+                if not params.sampling.greedy:
+                    stats["seed"] = float(params.sampling.seed)
                 log.info("request finished", request_id=rid, method=params.method, reason=reason,
                          tokens=int(stats.get("tokens", 0)), steps=int(stats.get("steps", 0)),
                          tbt_ms=round(stats.get("tbt_ms", 0.0), 2), ttft_ms=round(stats.get("ttft_ms", 0.0), 1))

@@ -29,6 +29,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 POLICIES = ("layer", "best-first", "hybrid")
 
 
@@ -42,8 +44,10 @@ class TreeNode:
     injected: bool = False
     committed: bool = False
     expanded: bool = False             # the draft has proposed this node's children
-    target_next: int | None = None     # the target's greedy token after this node
-    children: list[int] = field(default_factory=list)
+    target_next: int | None = None     # the target's token after this node (greedy or its seeded sample)
+    children: list[int] = field(default_factory=list)       # in the order the draft proposed them
+    q: torch.Tensor | None = None          # [vocab] draft's warped log-probs here (rejection verification)
+    target_p: torch.Tensor | None = None   # [vocab] target's warped log-probs here (rejection verification)
 
 
 class TokenTree:

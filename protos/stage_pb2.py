@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12protos/stage.proto\x12\x0bspecpipe.v1\x1a\x13protos/common.proto\"\xb6\x01\n\x07Segment\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08node_ids\x18\x02 \x03(\x03\x12\x12\n\nparent_ids\x18\x03 \x03(\x03\x12\x11\n\tpositions\x18\x04 \x03(\x05\x12\x11\n\ttoken_ids\x18\x05 \x03(\x05\x12\x13\n\x0bwant_output\x18\x06 \x03(\x08\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x12\n\nerror_code\x18\x08 \x01(\x05\x12\x13\n\x0b\x65rror_stage\x18\t \x01(\x05\"\xe3\x01\n\nMicroBatch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12&\n\x08segments\x18\x02 \x03(\x0b\x32\x14.specpipe.v1.Segment\x12#\n\x06hidden\x18\x03 \x01(\x0b\x32\x13.specpipe.v1.Tensor\x12\x0e\n\x06\x61rgmax\x18\x04 \x03(\x05\x12%\n\x08logprobs\x18\x05 \x01(\x0b\x32\x13.specpipe.v1.Tensor\x12\x17\n\x0freturn_logprobs\x18\x06 \x01(\x08\x12&\n\x05trace\x18\x07 \x03(\x0b\x32\x17.specpipe.v1.StageTrace\"!\n\x0e\x46orwardSummary\x12\x0f\n\x07\x62\x61tches\x18\x01 \x01(\x03\"\x10\n\x0eResultsRequest\"T\n\x0e\x43ontrolMessage\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06\x63ommit\x18\x02 \x03(\x03\x12\r\n\x05prune\x18\x03 \x03(\x03\x12\x0f\n\x07release\x18\x04 \x01(\x08\"\"\n\x0e\x43ontrolSummary\x12\x10\n\x08messages\x18\x01 \x01(\x03\"!\n\x0bInfoRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"z\n\x0bRequestInfo\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tcommitted\x18\x02 \x01(\x05\x12\x0c\n\x04live\x18\x03 \x01(\x05\x12\x10\n\x08node_ids\x18\x04 \x03(\x03\x12\x12\n\ntombstones\x18\x05 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x06 \x01(\x03\"\xb8\x03\n\tStageInfo\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x12\n\nnum_stages\x18\x02 \x01(\x05\x12\x13\n\x0b\x66irst_layer\x18\x03 \x01(\x05\x12\x12\n\nlast_layer\x18\x04 \x01(\x05\x12\x18\n\x10num_layers_total\x18\x05 \x01(\x05\x12\r\n\x05model\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x12\n\nvocab_size\x18\t \x01(\x05\x12\x13\n\x0bhidden_size\x18\n \x01(\x05\x12\x14\n\x0cmax_position\x18\x0b \x01(\x05\x12\x17\n\x0f\x61\x63tive_requests\x18\x0c \x01(\x05\x12\x10\n\x08kv_bytes\x18\r \x01(\x03\x12\x10\n\x08next_hop\x18\x0e \x01(\t\x12*\n\x08requests\x18\x0f \x03(\x0b\x32\x18.specpipe.v1.RequestInfo\x12\x0f\n\x07\x62\x61tches\x18\x10 \x01(\x03\x12\x15\n\rrows_computed\x18\x11 \x01(\x03\x12\x14\n\x0crows_dropped\x18\x12 \x01(\x03\x12\x16\n\x0ekv_limit_bytes\x18\x13 \x01(\x03\x12\x19\n\x11kv_bytes_per_slot\x18\x14 \x01(\x03\x32\x8e\x02\n\x05Stage\x12\x41\n\x07\x46orward\x12\x17.specpipe.v1.MicroBatch\x1a\x1b.specpipe.v1.ForwardSummary(\x01\x12\x41\n\x07Results\x12\x1b.specpipe.v1.ResultsRequest\x1a\x17.specpipe.v1.MicroBatch0\x01\x12\x45\n\x07\x43ontrol\x12\x1b.specpipe.v1.ControlMessage\x1a\x1b.specpipe.v1.ControlSummary(\x01\x12\x38\n\x04Info\x12\x18.specpipe.v1.InfoRequest\x1a\x16.specpipe.v1.StageInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12protos/stage.proto\x12\x0bspecpipe.v1\x1a\x13protos/common.proto\"\xf7\x01\n\x07Segment\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08node_ids\x18\x02 \x03(\x03\x12\x12\n\nparent_ids\x18\x03 \x03(\x03\x12\x11\n\tpositions\x18\x04 \x03(\x05\x12\x11\n\ttoken_ids\x18\x05 \x03(\x05\x12\x13\n\x0bwant_output\x18\x06 \x03(\x08\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x12\n\nerror_code\x18\x08 \x01(\x05\x12\x13\n\x0b\x65rror_stage\x18\t \x01(\x05\x12\x13\n\x0btemperature\x18\n \x01(\x02\x12\r\n\x05top_p\x18\x0b \x01(\x02\x12\r\n\x05top_k\x18\x0c \x01(\x05\x12\x0c\n\x04seed\x18\r \x01(\x04\"\xe3\x01\n\nMicroBatch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12&\n\x08segments\x18\x02 \x03(\x0b\x32\x14.specpipe.v1.Segment\x12#\n\x06hidden\x18\x03 \x01(\x0b\x32\x13.specpipe.v1.Tensor\x12\x0e\n\x06\x61rgmax\x18\x04 \x03(\x05\x12%\n\x08logprobs\x18\x05 \x01(\x0b\x32\x13.specpipe.v1.Tensor\x12\x17\n\x0freturn_logprobs\x18\x06 \x01(\x08\x12&\n\x05trace\x18\x07 \x03(\x0b\x32\x17.specpipe.v1.StageTrace\"!\n\x0e\x46orwardSummary\x12\x0f\n\x07\x62\x61tches\x18\x01 \x01(\x03\"\x10\n\x0eResultsRequest\"T\n\x0e\x43ontrolMessage\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06\x63ommit\x18\x02 \x03(\x03\x12\r\n\x05prune\x18\x03 \x03(\x03\x12\x0f\n\x07release\x18\x04 \x01(\x08\"\"\n\x0e\x43ontrolSummary\x12\x10\n\x08messages\x18\x01 \x01(\x03\"!\n\x0bInfoRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"z\n\x0bRequestInfo\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tcommitted\x18\x02 \x01(\x05\x12\x0c\n\x04live\x18\x03 \x01(\x05\x12\x10\n\x08node_ids\x18\x04 \x03(\x03\x12\x12\n\ntombstones\x18\x05 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x06 \x01(\x03\"\xb8\x03\n\tStageInfo\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x12\n\nnum_stages\x18\x02 \x01(\x05\x12\x13\n\x0b\x66irst_layer\x18\x03 \x01(\x05\x12\x12\n\nlast_layer\x18\x04 \x01(\x05\x12\x18\n\x10num_layers_total\x18\x05 \x01(\x05\x12\r\n\x05model\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x12\n\nvocab_size\x18\t \x01(\x05\x12\x13\n\x0bhidden_size\x18\n \x01(\x05\x12\x14\n\x0cmax_position\x18\x0b \x01(\x05\x12\x17\n\x0f\x61\x63tive_requests\x18\x0c \x01(\x05\x12\x10\n\x08kv_bytes\x18\r \x01(\x03\x12\x10\n\x08next_hop\x18\x0e \x01(\t\x12*\n\x08requests\x18\x0f \x03(\x0b\x32\x18.specpipe.v1.RequestInfo\x12\x0f\n\x07\x62\x61tches\x18\x10 \x01(\x03\x12\x15\n\rrows_computed\x18\x11 \x01(\x03\x12\x14\n\x0crows_dropped\x18\x12 \x01(\x03\x12\x16\n\x0ekv_limit_bytes\x18\x13 \x01(\x03\x12\x19\n\x11kv_bytes_per_slot\x18\x14 \x01(\x03\x32\x8e\x02\n\x05Stage\x12\x41\n\x07\x46orward\x12\x17.specpipe.v1.MicroBatch\x1a\x1b.specpipe.v1.ForwardSummary(\x01\x12\x41\n\x07Results\x12\x1b.specpipe.v1.ResultsRequest\x1a\x17.specpipe.v1.MicroBatch0\x01\x12\x45\n\x07\x43ontrol\x12\x1b.specpipe.v1.ControlMessage\x1a\x1b.specpipe.v1.ControlSummary(\x01\x12\x38\n\x04Info\x12\x18.specpipe.v1.InfoRequest\x1a\x16.specpipe.v1.StageInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,23 +33,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.stage_pb2', _globals
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SEGMENT']._serialized_start=57
-  _globals['_SEGMENT']._serialized_end=239
-  _globals['_MICROBATCH']._serialized_start=242
-  _globals['_MICROBATCH']._serialized_end=469
-  _globals['_FORWARDSUMMARY']._serialized_start=471
-  _globals['_FORWARDSUMMARY']._serialized_end=504
-  _globals['_RESULTSREQUEST']._serialized_start=506
-  _globals['_RESULTSREQUEST']._serialized_end=522
-  _globals['_CONTROLMESSAGE']._serialized_start=524
-  _globals['_CONTROLMESSAGE']._serialized_end=608
-  _globals['_CONTROLSUMMARY']._serialized_start=610
-  _globals['_CONTROLSUMMARY']._serialized_end=644
-  _globals['_INFOREQUEST']._serialized_start=646
-  _globals['_INFOREQUEST']._serialized_end=679
-  _globals['_REQUESTINFO']._serialized_start=681
-  _globals['_REQUESTINFO']._serialized_end=803
-  _globals['_STAGEINFO']._serialized_start=806
-  _globals['_STAGEINFO']._serialized_end=1246
-  _globals['_STAGE']._serialized_start=1249
-  _globals['_STAGE']._serialized_end=1519
+  _globals['_SEGMENT']._serialized_end=304
+  _globals['_MICROBATCH']._serialized_start=307
+  _globals['_MICROBATCH']._serialized_end=534
+  _globals['_FORWARDSUMMARY']._serialized_start=536
+  _globals['_FORWARDSUMMARY']._serialized_end=569
+  _globals['_RESULTSREQUEST']._serialized_start=571
+  _globals['_RESULTSREQUEST']._serialized_end=587
+  _globals['_CONTROLMESSAGE']._serialized_start=589
+  _globals['_CONTROLMESSAGE']._serialized_end=673
+  _globals['_CONTROLSUMMARY']._serialized_start=675
+  _globals['_CONTROLSUMMARY']._serialized_end=709
+  _globals['_INFOREQUEST']._serialized_start=711
+  _globals['_INFOREQUEST']._serialized_end=744
+  _globals['_REQUESTINFO']._serialized_start=746
+  _globals['_REQUESTINFO']._serialized_end=868
+  _globals['_STAGEINFO']._serialized_start=871
+  _globals['_STAGEINFO']._serialized_end=1311
+  _globals['_STAGE']._serialized_start=1314
+  _globals['_STAGE']._serialized_end=1584
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Segment(_message.Message):
-    __slots__ = ("request_id", "node_ids", "parent_ids", "positions", "token_ids", "want_output", "error", "error_code", "error_stage")
+    __slots__ = ("request_id", "node_ids", "parent_ids", "positions", "token_ids", "want_output", "error", "error_code", "error_stage", "temperature", "top_p", "top_k", "seed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_IDS_FIELD_NUMBER: _ClassVar[int]
     PARENT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,10 @@ class Segment(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_STAGE_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     node_ids: _containers.RepeatedScalarFieldContainer[int]
     parent_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -27,7 +31,11 @@ class Segment(_message.Message):
     error: str
     error_code: int
     error_stage: int
-    def __init__(self, request_id: _Optional[str] = ..., node_ids: _Optional[_Iterable[int]] = ..., parent_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., want_output: _Optional[_Iterable[bool]] = ..., error: _Optional[str] = ..., error_code: _Optional[int] = ..., error_stage: _Optional[int] = ...) -> None: ...
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    def __init__(self, request_id: _Optional[str] = ..., node_ids: _Optional[_Iterable[int]] = ..., parent_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., want_output: _Optional[_Iterable[bool]] = ..., error: _Optional[str] = ..., error_code: _Optional[int] = ..., error_stage: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class MicroBatch(_message.Message):
     __slots__ = ("batch_id", "segments", "hidden", "argmax", "logprobs", "return_logprobs", "trace")

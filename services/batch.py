@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.sampling import GREEDY, Sampling
+
 
 @dataclass
 class Segment:
@@ -29,6 +31,7 @@ class Segment:
     error: str = ""            # set when a stage rejected the segment (it then has no rows)
     error_code: int = 0        # grpc.StatusCode value[0] of the rejection
     error_stage: int = -1
+    sampling: Sampling = GREEDY   # how the last stage draws the target's token for output rows
 
     @property
     def rows(self) -> int:
@@ -38,7 +41,7 @@ class Segment:
         """The segment restricted to row indices `keep` (in order)."""
         return Segment(self.request_id, [self.node_ids[i] for i in keep], [self.parent_ids[i] for i in keep],
                        [self.positions[i] for i in keep], [self.token_ids[i] for i in keep],
-                       [self.want_output[i] for i in keep])
+                       [self.want_output[i] for i in keep], sampling=self.sampling)
 
     @staticmethod
     def failed(request_id: str, message: str, code: int, stage: int) -> "Segment":

@@ -17,6 +17,7 @@ from services.batch import Control, MicroBatch, Segment, StageTrace
 from services.kv_cache import KVCache
 from services.model.shard import AttendPlan, LlamaShard
 from services.nodes import ProtocolError
+from services.sampling import sample, warp
 
 
 class BatchError(ValueError):
@@ -99,11 +100,9 @@ class StageRunner:
             if shard.is_last:
                 want = torch.tensor([w for s in out_segments for w in s.want_output], dtype=torch.bool,
                                     device=shard.device)
-                logits = shard.head(hidden[want]) if bool(want.any()) else None
-                if logits is not None:
-                    argmax = logits.argmax(dim=-1).tolist()
-                    if batch.return_logprobs:
-                        logprobs = torch.log_softmax(logits, dim=-1)
+                if bool(want.any()):
+                    argmax, logprobs = self._outputs(out_segments, shard.head(hidden[want]),
+                                                     batch.return_logprobs)
             else:
                 hidden_out = hidden
         elif not shard.is_last:
@@ -116,6 +115,28 @@ class StageRunner:
                                           (time.perf_counter() - started) * 1e3)]
         return MicroBatch(batch.batch_id, out_segments, hidden_out, argmax, logprobs,
                           batch.return_logprobs, trace)
+
+    @staticmethod
+    def _outputs(segments: list[Segment], logits: torch.Tensor,
+                 return_logprobs: bool) -> tuple[list[int], torch.Tensor | None]:
+        """The target's token for every output row — greedy, or drawn from the segment's warped
+        distribution with the noise of the position it will take — and the (warped) log-probabilities
+        when asked. logits: [output_rows, vocab]."""
+        tokens: list[int] = []
+        parts: list[torch.Tensor] = []
+        offset = 0
+        for seg in segments:
+            n = sum(seg.want_output)
+            if not n:
+                continue
+            rows, offset = logits[offset:offset + n], offset + n
+            if seg.sampling.greedy and not return_logprobs:
+                tokens += rows.argmax(dim=-1).tolist()
+                continue
+            lp = warp(rows, seg.sampling)
+            tokens += sample(lp, seg.sampling, [p + 1 for p, w in zip(seg.positions, seg.want_output) if w])
+            parts.append(lp)
+        return tokens, (torch.cat(parts) if return_logprobs and parts else None)
 
     def _check_hidden(self, batch: MicroBatch, rows: int) -> None:
         shard = self.shard
@@ -146,6 +167,10 @@ class StageRunner:
             for t in seg.token_ids:
                 if not 0 <= t < vocab:
                     raise ProtocolError(f"token id {t} is outside the vocabulary [0, {vocab})")
+        try:
+            seg.sampling.check()
+        except ValueError as e:
+            raise ProtocolError(str(e)) from None
         kv = self.cache.get(seg.request_id, create=True)
         if kv is None:   # late rows of an ended request; the coordinator ignores this if it is gone too
             raise ProtocolError(f"request {seg.request_id} was already released on stage {self.stage_index}")

@@ -6,6 +6,7 @@ import torch
 from protos import common_pb2, stage_pb2
 from services.batch import Control, MicroBatch, Segment, StageTrace
 from services.codec import decode_tensor, encode_tensor
+from services.sampling import Sampling
 
 
 def tensor_to_proto(t: torch.Tensor) -> common_pb2.Tensor:
@@ -22,7 +23,9 @@ def batch_to_proto(b: MicroBatch) -> stage_pb2.MicroBatch:
     for s in b.segments:
         msg.segments.add(request_id=s.request_id, node_ids=s.node_ids, parent_ids=s.parent_ids,
                          positions=s.positions, token_ids=s.token_ids, want_output=s.want_output,
-                         error=s.error, error_code=s.error_code, error_stage=s.error_stage)
+                         error=s.error, error_code=s.error_code, error_stage=s.error_stage,
+                         temperature=s.sampling.temperature, top_p=s.sampling.top_p, top_k=s.sampling.top_k,
+                         seed=s.sampling.seed)
     if b.hidden is not None:
         msg.hidden.CopyFrom(tensor_to_proto(b.hidden))
     if b.logprobs is not None:
@@ -36,7 +39,8 @@ def batch_to_proto(b: MicroBatch) -> stage_pb2.MicroBatch:
 def batch_from_proto(msg: stage_pb2.MicroBatch, device: torch.device | str = "cpu") -> MicroBatch:
     """Raises services.codec.CodecError for undecodable tensors."""
     segments = [Segment(s.request_id, list(s.node_ids), list(s.parent_ids), list(s.positions),
-                        list(s.token_ids), list(s.want_output), s.error, s.error_code, s.error_stage)
+                        list(s.token_ids), list(s.want_output), s.error, s.error_code, s.error_stage,
+                        Sampling(s.temperature, s.top_p or 1.0, s.top_k, s.seed))
                 for s in msg.segments]
     hidden = tensor_from_proto(msg.hidden, device) if msg.HasField("hidden") else None
     logprobs = tensor_from_proto(msg.logprobs) if msg.HasField("logprobs") else None

@@ -32,11 +32,12 @@ def call(**overrides: Any) -> Params:
     (dict(prompt_ids=[1] * 41, max_new_tokens=None), r"prompt \(41 tokens\) plus max_new_tokens \(10\)"),
     (dict(method="beam"), "unknown method 'beam'; available: greedy, spec"),
     (dict(methods=[]), "unknown method 'greedy'"),
-    (dict(temperature=-0.5), "temperature must be >= 0"),
-    (dict(top_p=1.01), r"top_p in \[0, 1\]"),
-    (dict(top_p=-0.1), r"top_p in \[0, 1\]"),
-    (dict(top_k=-1), "top_k >= 0"),
-    (dict(temperature=0.7), r"sampling \(temperature > 0\) is not supported"),
+    (dict(temperature=-0.5), "temperature must be a finite number >= 0"),
+    (dict(temperature=float("nan")), "temperature must be a finite number"),
+    (dict(temperature=float("inf")), "temperature must be a finite number"),
+    (dict(top_p=1.01), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=-0.1), r"top_p must be in \(0, 1\]"),
+    (dict(top_k=-1), "top_k must be >= 0"),
     (dict(stop=["s"] * 17), "at most 16 stop strings"),
     (dict(stop=["ok", "x" * 257]), "at most 256 characters"),
 ])
@@ -70,6 +71,14 @@ def test_valid_request_explicit_max_new_tokens() -> None:
 ])
 def test_boundaries_accepted(overrides: dict[str, Any]) -> None:
     assert isinstance(call(**overrides), Params)
+
+
+def test_sampling_parameters_and_seed() -> None:
+    p = call(temperature=0.7, top_p=0.9, top_k=20, seed=42)
+    assert (p.sampling.temperature, p.sampling.top_p, p.sampling.top_k, p.sampling.seed) == (0.7, 0.9, 20, 42)
+    picked = {call(temperature=0.7).sampling.seed for _ in range(5)}
+    assert 0 not in picked and len(picked) == 5 and max(picked) < 2 ** 53, "seed 0: the server picks one"
+    assert call(temperature=0.0, seed=0).sampling.greedy and call(top_p=0.0).sampling.top_p == 1.0
 
 
 def test_prompt_ids_copied() -> None:

@@ -4,18 +4,29 @@ A draft source keeps its own per-request state (for a model: a KV cache over the
 stages use) and follows the scheduler's commits and prunes, so it never recomputes the prefix.
 
 Contract, per request:
-    begin(rid, prompt)                     the prompt is committed as nodes 0..n-1
+    begin(rid, prompt, sampling, keep_q)   the prompt is committed as nodes 0..n-1; proposals follow the
+                                           request's sampling (below); keep_q: remember each expanded
+                                           node's warped distribution for `take_q`
     expand(rid, nodes, k) -> proposals     for each node (its parent already expanded, or earlier in
                                            `nodes`), up to k (token, log-prob) children, best first
     expand_many([(rid, nodes), ...], k)    the same for several requests at once (one model call where
                                            the source can batch); a failed request's entry is the exception
     commit(rid, ids, tokens) / prune(rid, ids)   mirror the tree (prune takes subtrees)
     release(rid)                           forget the request
+
+Proposals when sampling (services/sampling.py): the children are the top k of the warped draft log-probs
+plus Gumbel noise — the target's own noise at that position for `match` verification (so the first child
+is the token the target most likely draws), the draft's own noise for `rejection` (a draw without
+replacement) — in that order, with scores that never increase along it.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+
+import torch
+
+from services.sampling import GREEDY, Sampling
 
 
 @dataclass(frozen=True)
@@ -36,7 +47,8 @@ class DraftSource(ABC):
         self.compute_s = 0.0        # time spent proposing, for the draft-time share
 
     @abstractmethod
-    def begin(self, request_id: str, prompt_ids: list[int]) -> None: ...
+    def begin(self, request_id: str, prompt_ids: list[int], sampling: Sampling = GREEDY,
+              keep_q: bool = False) -> None: ...
 
     @abstractmethod
     def expand(self, request_id: str, nodes: list[DraftNode], k: int) -> Proposals: ...
@@ -49,6 +61,11 @@ class DraftSource(ABC):
             except Exception as e:      # one request's failure is its own
                 out.append(e)
         return out
+
+    def take_q(self, request_id: str, node_id: int) -> torch.Tensor | None:
+        """The warped distribution [vocab] the children of an expanded node were drawn from (kept only
+        with keep_q; None for sources without one: their children count as point masses)."""
+        return None
 
     def commit(self, request_id: str, node_ids: list[int], tokens: list[int]) -> None:
         pass

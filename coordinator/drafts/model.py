@@ -15,6 +15,7 @@ from torch import nn
 
 from services.batch import Control, MicroBatch, Segment
 from services.model.shard import LlamaShard, load_causal_lm
+from services.sampling import GREEDY, Sampling, gumbel, warp
 from services.runner import StageRunner
 
 from coordinator.drafts.base import DraftNode, DraftSource, Proposals
@@ -26,9 +27,13 @@ class ModelDraft(DraftSource):
         self.name = name
         self.runner = StageRunner(LlamaShard(model, 0, model.config.num_hidden_layers), stage_index=-1)
         self._batch = 0
+        self.sampling: dict[str, tuple[Sampling, bool]] = {}       # request -> (sampling, keep_q)
+        self._q: dict[tuple[str, int], torch.Tensor] = {}          # (request, node) -> [vocab] warped log q
 
-    def begin(self, request_id: str, prompt_ids: list[int]) -> None:
+    def begin(self, request_id: str, prompt_ids: list[int], sampling: Sampling = GREEDY,
+              keep_q: bool = False) -> None:
         """Prefill all prompt tokens but the last; the scheduler expands the last one."""
+        self.sampling[request_id] = (sampling, keep_q)
         n = len(prompt_ids)
         nodes = list(range(n))
         self.runner.apply(Control(request_id, commit=nodes))
@@ -50,23 +55,48 @@ class ModelDraft(DraftSource):
         if not segments:
             return [[] for _ in jobs]
         out = self._step(segments, want=True)
-        top = out.logprobs.topk(k, dim=-1) if out.logprobs is not None else None
         by_request: dict[str, dict[int, list[tuple[int, float]]] | Exception] = {}
         row = 0
         for seg in out.segments:
             if seg.error:
                 by_request[seg.request_id] = RuntimeError(f"draft rejected nodes: {seg.error}")
                 continue
-            props = {}
-            for nid in seg.node_ids:          # every kept row asked for output
-                props[nid] = list(zip(top.indices[row].tolist(), top.values[row].tolist()))
-                row += 1
-            by_request[seg.request_id] = props
+            n = seg.rows                     # every kept row asked for output
+            rows, row = out.logprobs[row:row + n], row + n
+            by_request[seg.request_id] = dict(zip(seg.node_ids, self._propose(seg, rows, k)))
         results: list[Proposals | Exception] = []
         for rid, nodes in jobs:
             got = by_request.get(rid, {})
             results.append(got if isinstance(got, Exception) else [got.get(n.node_id, []) for n in nodes])
         return results
+
+    def _propose(self, seg: Segment, logprobs: torch.Tensor, k: int) -> Proposals:
+        """Children of each row: the top k by log-prob when greedy; when sampling, the top k of the warped
+        log-probs plus noise (coupled with the target's for match, the draft's own for rejection)."""
+        sampling, keep_q = self.sampling.get(seg.request_id, (GREEDY, False))
+        k = min(k, logprobs.shape[-1])
+        if sampling.greedy:
+            top = logprobs.topk(k, dim=-1)
+            return [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+        q = warp(logprobs, sampling)
+        positions = [p + 1 for p in seg.positions]
+        keys = q + gumbel(sampling.seed, positions, q.shape[-1], q.device, salt=1 if keep_q else 0)
+        order = keys.topk(k, dim=-1)
+        out = []
+        for i, nid in enumerate(seg.node_ids):
+            if keep_q:
+                self._q[(seg.request_id, nid)] = q[i]
+            props, score, best = [], 0.0, float(q[i].max())
+            for j, (tok, key) in enumerate(zip(order.indices[i].tolist(), order.values[i].tolist())):
+                if key == float("-inf"):
+                    break                    # outside the warped support
+                score = best if j == 0 else min(score, float(q[i, tok]))
+                props.append((tok, score))
+            out.append(props)
+        return out
+
+    def take_q(self, request_id: str, node_id: int) -> torch.Tensor | None:
+        return self._q.pop((request_id, node_id), None)
 
     def _run(self, seg: Segment, want: bool) -> MicroBatch:
         out = self._step([seg], want)
@@ -89,6 +119,9 @@ class ModelDraft(DraftSource):
 
     def release(self, request_id: str) -> None:
         self.runner.apply(Control(request_id, release=True))
+        self.sampling.pop(request_id, None)
+        for key in [key for key in self._q if key[0] == request_id]:
+            del self._q[key]
 
 
 def quantized_copy(model_ref: str, device: str = "cpu") -> nn.Module:

@@ -9,6 +9,8 @@ import math
 import time
 from collections import Counter
 
+from services.sampling import GREEDY, Sampling
+
 from coordinator.drafts.base import DraftNode, DraftSource, Proposals
 
 
@@ -22,7 +24,9 @@ class NgramDraft(DraftSource):
         self.committed: dict[str, list[int]] = {}                 # rid -> committed tokens
         self.committed_ids: dict[str, set[int]] = {}
 
-    def begin(self, request_id: str, prompt_ids: list[int]) -> None:
+    def begin(self, request_id: str, prompt_ids: list[int], sampling: Sampling = GREEDY,
+              keep_q: bool = False) -> None:
+        """Proposals are the same whatever the sampling (deterministic: point masses for `rejection`)."""
         self.tokens[request_id] = {i: (i - 1, t) for i, t in enumerate(prompt_ids)}
         self.committed[request_id] = list(prompt_ids)
         self.committed_ids[request_id] = set(range(len(prompt_ids)))

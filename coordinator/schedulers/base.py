@@ -15,7 +15,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+import torch
+
 from services.batch import Control, MicroBatch, Segment
+from services.sampling import GREEDY, Sampling
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,7 @@ class Request:
     prompt_ids: list[int]
     max_new_tokens: int
     eos_ids: frozenset[int] = frozenset()
+    sampling: Sampling = GREEDY
 
 
 @dataclass
@@ -123,7 +127,9 @@ class Scheduler(ABC):
         offset = 0
         for seg in batch.segments:
             n_out = sum(seg.want_output)
-            outputs, offset = batch.argmax[offset:offset + n_out], offset + n_out
+            outputs = batch.argmax[offset:offset + n_out]
+            logprobs = batch.logprobs[offset:offset + n_out] if batch.logprobs is not None else None
+            offset += n_out
             state = self.requests.get(seg.request_id)
             if state is None:
                 continue
@@ -131,7 +137,7 @@ class Scheduler(ABC):
                 self._finish(state, "error", error=f"stage {seg.error_stage}: {seg.error}",
                              error_code=seg.error_code or 13)
                 continue
-            self._on_segment(state, seg, outputs)
+            self._on_segment(state, seg, outputs, logprobs)
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
         state = self.requests.get(request_id)
@@ -166,15 +172,25 @@ class Scheduler(ABC):
         """A request arrived: broadcast its commits and inject its first micro-batch(es)."""
 
     @abstractmethod
-    def _on_segment(self, state: RequestState, seg: Segment, outputs: list[int]) -> None:
-        """The last stage returned `seg` (rows that survived) and the greedy token of each output row."""
+    def _on_segment(self, state: RequestState, seg: Segment, outputs: list[int],
+                    logprobs: torch.Tensor | None) -> None:
+        """The last stage returned `seg` (rows that survived), the target's token of each output row
+        (greedy, or drawn with the request's sampling) and, when the micro-batch asked, the rows' warped
+        log-probabilities [output_rows, vocab]."""
+
+    def _wants_logprobs(self, segments: list[Segment]) -> bool:
+        """The last stage must ship the rows' distributions (rejection verification)."""
+        return False
 
     def _inject(self, segments: list[Segment], return_logprobs: bool = False) -> int:
+        return_logprobs = return_logprobs or self._wants_logprobs(segments)
         batch_id = self._next_batch
         self._next_batch += 1
         step = max(self._clock, self._last_inject + 1)
         self._last_inject = step
         rids = [s.request_id for s in segments]
+        for seg in segments:
+            seg.sampling = self.requests[seg.request_id].request.sampling
         self._batches[batch_id] = (step, rids)
         for rid in rids:
             state = self.requests[rid]

@@ -34,7 +34,7 @@ class CBPPScheduler(BatchingScheduler):
         running = sum(1 for r in self.requests if r not in self.prefill_next)
         return min(self.node_budget, max(1, math.ceil(running / self.num_stages)))
 
-    def _on_segment(self, state: RequestState, seg: Segment, outputs: list[int]) -> None:
+    def _on_segment(self, state: RequestState, seg: Segment, outputs: list[int], logprobs=None) -> None:
         if not outputs:
             return
         token = outputs[-1]

@@ -23,7 +23,7 @@ class PPScheduler(Scheduler):
         self._inject([Segment(rid, nodes, [-1] + nodes[:-1], list(range(n)), list(prompt),
                               [False] * (n - 1) + [True])])
 
-    def _on_segment(self, state: RequestState, seg: Segment, outputs: list[int]) -> None:
+    def _on_segment(self, state: RequestState, seg: Segment, outputs: list[int], logprobs=None) -> None:
         if not outputs:
             return
         token = outputs[-1]

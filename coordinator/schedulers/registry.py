@@ -26,6 +26,7 @@ class SpecOptions:
     pipeinfer_run: int = 4    # pipeinfer: draft tokens per speculative run
     pipeinfer_min_prob: float = 0.1   # pipeinfer: stop a run where the draft is less sure than this
     node_budget: int = 32     # specpipe, cb-pp: rows per micro-batch, shared by the requests in it
+    verify: str = "match"     # sampling: match (seeded sample-then-match) | rejection (coordinator/verify.py)
 
 
 def make_scheduler(method: str, num_stages: int, spec: SpecOptions | None = None) -> Scheduler:
@@ -37,13 +38,14 @@ def make_scheduler(method: str, num_stages: int, spec: SpecOptions | None = None
     if method == "specpipe":
         if spec.draft is None:
             raise ValueError("method 'specpipe' needs a draft source (--draft quant|ngram|model)")
-        return SpecPipeScheduler(num_stages, spec.draft, spec.width, spec.policy, spec.topk, spec.node_budget)
+        return SpecPipeScheduler(num_stages, spec.draft, spec.width, spec.policy, spec.topk, spec.node_budget,
+                                 spec.verify)
     if method in ("sps", "tree", "pipeinfer"):
         if spec.draft is None:
             raise ValueError(f"method {method!r} needs a draft source (--draft quant|ngram|model)")
         if method == "sps":
-            return make_sps(num_stages, spec.draft, spec.sps_k)
+            return make_sps(num_stages, spec.draft, spec.sps_k, spec.verify)
         if method == "pipeinfer":
             return make_pipeinfer(num_stages, spec.draft, spec.pipeinfer_run, spec.pipeinfer_min_prob)
-        return make_tree(num_stages, spec.draft, spec.tree_nodes, spec.tree_depth, spec.topk)
+        return make_tree(num_stages, spec.draft, spec.tree_nodes, spec.tree_depth, spec.topk, spec.verify)
     raise ValueError(f"unknown method {method!r}; available: {', '.join(METHODS)}")

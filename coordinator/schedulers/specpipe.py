@@ -21,11 +21,13 @@ Greedy and lossless: every committed token is the target's argmax after the comm
 from __future__ import annotations
 
 from services.batch import Segment
+from services.sampling import uniform
 
 from coordinator.drafts.base import DraftNode, DraftSource
 from coordinator.schedulers.base import RequestState
 from coordinator.schedulers.batching import BatchingScheduler
 from coordinator.tree import POLICIES, TokenTree, TreeNode
+from coordinator.verify import VERIFIERS, verify_children
 
 
 LOOKAHEAD = 1      # spine nodes the draft may expand ahead of injection per step (hybrid, when lagging)
@@ -35,12 +37,15 @@ class SpecPipeScheduler(BatchingScheduler):
     name = "specpipe"
 
     def __init__(self, num_stages: int, draft: DraftSource, width: int = 16, policy: str = "hybrid",
-                 topk: int = 8, node_budget: int = 32) -> None:
+                 topk: int = 8, node_budget: int = 32, verify: str = "match") -> None:
         super().__init__(num_stages, node_budget)
         if width < 1 or topk < 1:
             raise ValueError("width and topk must be at least 1")
         if policy not in POLICIES:
             raise ValueError(f"unknown tree policy {policy!r}; choose from {', '.join(POLICIES)}")
+        if verify not in VERIFIERS:
+            raise ValueError(f"unknown verifier {verify!r}; choose from {', '.join(VERIFIERS)}")
+        self.verify = verify
         self.draft, self.width, self.policy, self.topk = draft, width, policy, min(topk, width)
         self.trees: dict[str, TokenTree] = {}
         self.pending: dict[str, list[int]] = {}      # request -> injected nodes the draft must expand
@@ -83,15 +88,26 @@ class SpecPipeScheduler(BatchingScheduler):
         return Segment(rid, [n.id for n in chosen], [parent.get(n.id, n.parent) for n in chosen],
                        [n.depth for n in chosen], [n.token for n in chosen], [True] * len(chosen))
 
-    def _on_segment(self, state: RequestState, seg: Segment, outputs: list[int]) -> None:
+    def _on_segment(self, state: RequestState, seg: Segment, outputs: list[int], logprobs=None) -> None:
         tree = self.trees[state.request.request_id]
-        out = iter(outputs)
+        rejection = self._rejection(state)
+        i = 0
         for node_id, want in zip(seg.node_ids, seg.want_output):
             if want:
-                token = next(out)
-                if node_id in tree.nodes:
-                    tree.nodes[node_id].target_next = token
+                node = tree.nodes.get(node_id)
+                if node is not None:
+                    node.target_next = outputs[i]
+                    if rejection and logprobs is not None:
+                        node.target_p = logprobs[i]
+                i += 1
         self._verify(state, tree)
+
+    def _rejection(self, state: RequestState) -> bool:
+        """This request samples and is verified by rejection (the last stage ships distributions)."""
+        return self.verify == "rejection" and not state.request.sampling.greedy
+
+    def _wants_logprobs(self, segments: list[Segment]) -> bool:
+        return any(self._rejection(self.requests[s.request_id]) for s in segments)
 
     def _finish(self, state: RequestState, reason: str, error: str = "", error_code: int = 0) -> None:
         rid = state.request.request_id
@@ -106,8 +122,10 @@ class SpecPipeScheduler(BatchingScheduler):
     def _verify(self, state: RequestState, tree: TokenTree) -> bool:
         """Commit as far as the known target tokens allow. Returns False when the request finished."""
         rid = state.request.request_id
-        while (token := tree.root_node.target_next) is not None:
-            child = tree.matching_child(tree.root, token)
+        rejection = self._rejection(state)
+        while tree.root_node.target_next is not None and (tree.root_node.target_p is not None or not rejection):
+            child, token = self._decide(state, tree) if rejection else \
+                (tree.matching_child(tree.root, tree.root_node.target_next), tree.root_node.target_next)
             if child is not None:
                 state.count("hits")
                 pruned = tree.commit(child)
@@ -126,6 +144,19 @@ class SpecPipeScheduler(BatchingScheduler):
                 break             # the bonus has no target token yet
         return True
 
+    def _decide(self, state: RequestState, tree: TokenTree) -> tuple[int | None, int]:
+        """Rejection verification at the root: its injected children, in the draft's order up to the first
+        one not in flight, against the target's and the draft's distributions there."""
+        root = tree.root_node
+        children = []
+        for c in root.children:
+            if not tree.nodes[c].injected:
+                break
+            children.append(c)
+        u = uniform(state.request.sampling.seed, root.depth + 1, len(children) + 1, salt=2)
+        j, token = verify_children(root.target_p, root.q, [tree.nodes[c].token for c in children], u)
+        return (children[j] if j is not None else None), token
+
     # -- growth -------------------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
@@ -140,7 +171,8 @@ class SpecPipeScheduler(BatchingScheduler):
             if rid in self.requests and rid not in self.begun:
                 state = self.requests[rid]
                 try:
-                    self._timed([state], lambda: self.draft.begin(rid, state.request.prompt_ids))
+                    self._timed([state], lambda: self.draft.begin(rid, state.request.prompt_ids,
+                                                                  state.request.sampling, self._rejection(state)))
                     self.begun.add(rid)
                 except Exception as e:        # a failing draft fails its request, not the scheduler
                     self._draft_failed(state, e)
@@ -190,8 +222,11 @@ class SpecPipeScheduler(BatchingScheduler):
             if isinstance(proposals, Exception):
                 self._draft_failed(self.requests[rid], proposals)
                 continue
+            keep_q = self._rejection(self.requests[rid])
             for n, props in zip(nodes, proposals):
                 self.trees[rid].add_children(n.id, props)
+                if keep_q:
+                    n.q = self.draft.take_q(rid, n.id)
 
     def _draft_failed(self, state: RequestState, error: Exception) -> None:
         self._finish(state, "error", error=f"draft failed: {error!r}", error_code=13)

@@ -23,8 +23,9 @@ from coordinator.schedulers.specpipe import SpecPipeScheduler
 
 class TripScheduler(SpecPipeScheduler):
     def __init__(self, num_stages: int, draft: DraftSource, budget: int, rounds: int, per_round: int,
-                 policy: str, max_in_flight: int = 1, bonus_alone: bool = False, min_prob: float = 0.0) -> None:
-        super().__init__(num_stages, draft, width=budget, policy=policy, topk=per_round)
+                 policy: str, max_in_flight: int = 1, bonus_alone: bool = False, min_prob: float = 0.0,
+                 verify: str = "match") -> None:
+        super().__init__(num_stages, draft, width=budget, policy=policy, topk=per_round, verify=verify)
         if rounds < 1 or max_in_flight < 1:
             raise ValueError("a speculation needs at least one round and one micro-batch in flight")
         self.budget, self.rounds, self.per_round = budget, rounds, per_round
@@ -71,7 +72,8 @@ class TripScheduler(SpecPipeScheduler):
         state, tree = self.requests[rid], self.trees[rid]
         if rid not in self.begun:
             self.begun.add(rid)
-            self._timed([state], lambda: self.draft.begin(rid, state.request.prompt_ids))
+            self._timed([state], lambda: self.draft.begin(rid, state.request.prompt_ids, state.request.sampling,
+                                                          self._rejection(state)))
         root = tree.root_node
         if not root.expanded:                  # may overlap the prompt's trip
             self._expand([(rid, [root])])
@@ -112,9 +114,10 @@ class TripScheduler(SpecPipeScheduler):
             self.pending[rid] = []             # room for another run (pipeinfer)
 
 
-def make_sps(num_stages: int, draft: DraftSource, k: int) -> TripScheduler:
-    """A chain of k draft tokens per trip: one node per round, always below the deepest one."""
-    sched = TripScheduler(num_stages, draft, budget=k, rounds=k, per_round=1, policy="layer")
+def make_sps(num_stages: int, draft: DraftSource, k: int, verify: str = "match") -> TripScheduler:
+    """A chain of k draft tokens per trip: one node per round, always below the deepest one. Sampling with
+    `rejection` is speculative sampling (accept with min(1, p/q), else draw from max(p - q, 0))."""
+    sched = TripScheduler(num_stages, draft, budget=k, rounds=k, per_round=1, policy="layer", verify=verify)
     sched.name = "sps"
     return sched
 
@@ -125,16 +128,19 @@ def make_pipeinfer(num_stages: int, draft: DraftSource, run_len: int, min_prob: 
     from the previous run's last token, cut short where the draft's probability falls below `min_prob` —,
     a one-token non-speculative run of the target's own token right after every miss, and early
     cancellation (a miss prunes every run below it at every stage; rows not yet computed are skipped; a
-    running step is not aborted). Greedy verification is match-the-target's-token (PipeInfer's
-    sample-then-match), so it is exact."""
+    running step is not aborted). Verification is PipeInfer's sample-then-match (`match`: the target's own
+    token, greedy or its seeded sample, decides), so it is exact; `rejection` is not offered."""
     sched = TripScheduler(num_stages, draft, budget=run_len, rounds=run_len, per_round=1, policy="layer",
                           max_in_flight=num_stages, bonus_alone=True, min_prob=min_prob)
     sched.name = "pipeinfer"
     return sched
 
 
-def make_tree(num_stages: int, draft: DraftSource, nodes: int, depth: int, topk: int) -> TripScheduler:
-    """Up to `nodes` per trip, best-first, `depth` rounds of up to `topk` expansions."""
-    sched = TripScheduler(num_stages, draft, budget=nodes, rounds=depth, per_round=topk, policy="best-first")
+def make_tree(num_stages: int, draft: DraftSource, nodes: int, depth: int, topk: int,
+              verify: str = "match") -> TripScheduler:
+    """Up to `nodes` per trip, best-first, `depth` rounds of up to `topk` expansions. Sampling with
+    `rejection` verifies siblings by recursive rejection sampling (coordinator/verify.py)."""
+    sched = TripScheduler(num_stages, draft, budget=nodes, rounds=depth, per_round=topk, policy="best-first",
+                          verify=verify)
     sched.name = "tree"
     return sched
