@@ -30,12 +30,12 @@ class Variant:
     method: str
     width: int | None = None
     policy: str | None = None
-    extra: tuple[tuple[str, int], ...] = ()     # other SpecOptions fields, e.g. (("sps_k", 4),)
+    extra: tuple[tuple[str, int | str], ...] = ()     # other SpecOptions fields, e.g. (("sps_k", 4),)
 
     @property
     def label(self) -> str:
         base = self.method if self.width is None else f"{self.method}/{self.policy}/w{self.width}"
-        return base + "".join(f"/{k.split('_')[-1]}{v}" for k, v in self.extra)
+        return base + "".join(f"/{k.split('_')[-1]}{v}" if isinstance(v, int) else f"/{v}" for k, v in self.extra)
 
     def overrides(self) -> dict:
         """SpecOptions fields this variant sets (the rest keep the server's settings)."""
@@ -68,6 +68,8 @@ class BenchConfig:
     tree_shapes: list[tuple[int, int]] = field(default_factory=list)   # sweep of tree (nodes, depth)
     concurrency: list[int] = field(default_factory=lambda: [1])   # >1: clients at once (bench_load)
     rounds: int = 2                    # requests per client at each concurrency level
+    temperature: float = 0.0           # > 0: sample (prompt i uses seed i + 1 for every variant)
+    verifies: list[str] = field(default_factory=list)   # sweep of --verify for specpipe, sps, tree
     node_budget: int = 32              # specpipe, cb-pp: rows per micro-batch shared by requests
     variants: list[Variant] = field(default_factory=list)
 
@@ -91,6 +93,14 @@ class BenchConfig:
                                       for n, d in self.tree_shapes]
                 else:
                     self.variants.append(Variant(m))
+            if self.verifies:
+                self.variants = [w for v in self.variants for w in _with_verifiers(v, self.verifies)]
+
+
+def _with_verifiers(v: Variant, verifies: list[str]) -> list[Variant]:
+    if v.method not in ("specpipe", "sps", "tree"):
+        return [v]
+    return [Variant(v.method, v.width, v.policy, v.extra + (("verify", ver),)) for ver in verifies]
 
 
 def load_prompts(path: str, n: int) -> list[dict]:
@@ -138,6 +148,7 @@ def summarize(variant: Variant, stages: int, runs: list[dict], stage_time: tuple
             "rows_per_step": rows, "stage_compute_ms": compute, "emulated_stage_ms": emulated,
             "overhead_share": _mean([r["overhead_share"] for r in runs if "overhead_share" in r]),
             "overhead_ms_per_trip": _mean([r["overhead_ms_mean"] for r in runs if "overhead_ms_mean" in r]),
+            "result_bytes_per_step": sum(r.get("result_bytes", 0.0) for r in runs) / batches,
             "compute_overrun_stages": flagged}
 
 
@@ -160,11 +171,11 @@ async def run_bench(cfg: BenchConfig, log=print) -> dict:
             if cfg.load:
                 from coordinator.bench_load import run_levels
                 out_rows += await run_levels(coordinator, cfg.variants, prompts, num_stages, cfg.concurrency,
-                                             cfg.rounds, cfg.max_new_tokens, stage_time, log)
+                                             cfg.rounds, cfg.max_new_tokens, stage_time, log, cfg.temperature)
                 continue
             for pi, prompt in enumerate(prompts):
                 for v in cfg.variants:                                          # interleaved
-                    stats = await _one(coordinator, v, prompt, cfg.max_new_tokens)
+                    stats = await _one(coordinator, v, prompt, cfg.max_new_tokens, cfg.temperature, pi + 1)
                     runs[v].append(stats)
                     log(f"  S={num_stages} prompt {pi + 1}/{len(prompts)} {v.label}: "
                         f"tbt {stats['tbt_ms']:.1f} ms, {stats['tokens_per_step']:.2f} tok/step")
@@ -194,10 +205,11 @@ def write_results(result: dict, out_dir: str) -> dict:
     return result
 
 
-async def _one(coordinator: Coordinator, v: Variant, prompt: dict, max_new: int) -> dict:
+async def _one(coordinator: Coordinator, v: Variant, prompt: dict, max_new: int, temperature: float = 0.0,
+               seed: int = 0) -> dict:
     inp = GenerateInput(prompt=prompt.get("prompt", ""), prompt_token_ids=list(prompt.get("prompt_token_ids", [])),
-                        raw=bool(prompt.get("raw", False)), max_new_tokens=max_new,
-                        method=v.method, ignore_eos=True, spec_overrides=v.overrides())
+                        raw=bool(prompt.get("raw", False)), max_new_tokens=max_new, temperature=temperature,
+                        seed=seed, method=v.method, ignore_eos=True, spec_overrides=v.overrides())
     last = None
     async for chunk in coordinator.generate(inp):
         last = chunk
@@ -262,6 +274,9 @@ def main_args(p) -> None:
     p.add_argument("--rounds", type=int, default=2, help="requests per client at each concurrency level")
     p.add_argument("--node-budget", type=int, default=32,
                    help="specpipe, cb-pp: rows per micro-batch shared by the requests in it")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature (prompt i uses seed i + 1 for every variant)")
+    p.add_argument("--verifies", default="", help="comma-separated: match,rejection (specpipe, sps, tree)")
     p.add_argument("--simulate", action="store_true",
                    help="simulated clock: real model outputs, modelled stage time (fast sweeps of S)")
     p.add_argument("--hf-reference", action="store_true",
@@ -276,7 +291,8 @@ def config_from_args(a) -> BenchConfig:
                        max_new_tokens=a.max_new_tokens, prompts=a.prompts, num_prompts=a.num_prompts,
                        out=a.out, model=a.model, draft=a.draft, dtype=a.dtype, device=a.device, threads=a.threads,
                        hf_reference=a.hf_reference, sps_ks=ints(a.sps_k), concurrency=ints(a.concurrency),
-                       rounds=a.rounds, node_budget=a.node_budget,
+                       rounds=a.rounds, node_budget=a.node_budget, temperature=a.temperature,
+                       verifies=strs(a.verifies),
                        tree_shapes=[(n, d) for n in ints(a.tree_nodes) for d in ints(a.tree_depth or "6")])
 
 

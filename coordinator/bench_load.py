@@ -17,14 +17,15 @@ from coordinator.service import Coordinator
 
 
 async def run_level(coordinator: Coordinator, variant: Variant, prompts: list[dict], concurrency: int,
-                    rounds: int, max_new: int) -> tuple[list[dict], float]:
+                    rounds: int, max_new: int, temperature: float = 0.0) -> tuple[list[dict], float]:
     """Stats of every request and the level's wall time in seconds."""
-    work = [prompts[i % len(prompts)] for i in range(concurrency * rounds)]
+    work = [(i + 1, prompts[i % len(prompts)]) for i in range(concurrency * rounds)]
     runs: list[dict] = []
 
     async def client() -> None:
         while work:
-            runs.append(await _one(coordinator, variant, work.pop(0), max_new))
+            seed, prompt = work.pop(0)
+            runs.append(await _one(coordinator, variant, prompt, max_new, temperature, seed))
 
     started = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -45,11 +46,11 @@ def level_row(variant: Variant, stages: int, concurrency: int, runs: list[dict],
 
 async def run_levels(coordinator: Coordinator, variants: list[Variant], prompts: list[dict], stages: int,
                      levels: list[int], rounds: int, max_new: int, stage_time: tuple[float, float],
-                     log=print) -> list[dict]:
+                     log=print, temperature: float = 0.0) -> list[dict]:
     rows = []
     for c in levels:
         for v in variants:
-            runs, wall = await run_level(coordinator, v, prompts, c, rounds, max_new)
+            runs, wall = await run_level(coordinator, v, prompts, c, rounds, max_new, temperature)
             rows.append(level_row(v, stages, c, runs, wall, stage_time))
             r = rows[-1]
             log(f"  S={stages} c={c} {v.label}: {r['throughput_tok_s']:.2f} tok/s, tbt p50 {r['tbt_ms_p50']:.0f} ms "

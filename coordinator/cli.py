@@ -214,8 +214,9 @@ async def cmd_bench(args) -> int:
 
     cfg = config_from_args(args)
     cfg.model = await asyncio.to_thread(resolve_model, cfg.model, stderr_log)
-    if args.simulate and cfg.load:
-        raise ValueError("--simulate runs one request at a time; drop --concurrency or --simulate")
+    if args.simulate and (cfg.load or cfg.temperature or cfg.verifies):
+        raise ValueError("--simulate runs one greedy request at a time; drop --concurrency, --temperature "
+                         "and --verifies, or --simulate")
     if args.simulate:
         from coordinator.bench import write_results
         from coordinator.bench_sim import run_simulated

@@ -66,6 +66,7 @@ class MicroBatch:
     logprobs: torch.Tensor | None = None        # [output_rows, vocab] on results, when asked for
     return_logprobs: bool = False
     trace: list[StageTrace] = field(default_factory=list)
+    wire_bytes: int = 0                         # size of the message it arrived in (0: not over the wire)
 
     @property
     def rows(self) -> int:

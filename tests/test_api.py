@@ -140,3 +140,18 @@ async def test_losing_the_last_stage_ends_streams_with_unavailable_not_a_hang(ti
             assert err.value.code == grpc.StatusCode.UNAVAILABLE.value[0]
         finally:
             await coord.close()
+
+
+async def test_sampling_is_reproducible_from_the_seed_for_every_method(api):
+    """Same seed: the same tokens, whatever the method; the server reports the seed it picked for seed 0."""
+    def ids(msgs):
+        return [t for m in msgs for t in m.token_ids]
+    fields = dict(prompt_token_ids=[10, 20, 30], max_new_tokens=10, ignore_eos=True, temperature=0.9, top_p=0.95)
+    first = ids(await api.generate(seed=1234, method="specpipe", **fields))
+    assert ids(await api.generate(seed=1234, method="specpipe", **fields)) == first
+    assert ids(await api.generate(seed=1234, method="pp", **fields)) == first
+    others = [ids(await api.generate(seed=s, method="pp", **fields)) for s in (1, 2, 3)]
+    assert any(o != first for o in others), "different seeds draw different tokens"
+    picked = (await api.generate(method="sps", **fields))[-1].stats.counters["seed"]
+    again = await api.generate(seed=int(picked), method="sps", **fields)
+    assert picked > 0 and ids(again) == ids(await api.generate(seed=int(picked), method="pp", **fields))

@@ -67,6 +67,21 @@ async def test_bench_concurrency_sweep(tiny_model8, tmp_path):
     assert "the throughput of cb-pp" in table(result)
 
 
+async def test_bench_sampling_compares_verifiers(tiny_model8, tmp_path):
+    """--temperature with --verifies match,rejection: one row per verifier; rejection ships the rows'
+    distributions (vocabulary 256 x 4 bytes each), match one token per row."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_token_ids": [5, 6, 7]}))
+    cfg = BenchConfig(stages=[2], methods=["pp", "sps"], widths=[4], policies=["hybrid"], stage_time_ms="0",
+                      max_new_tokens=6, prompts=str(prompts), num_prompts=0, out=str(tmp_path / "o"),
+                      model=str(tiny_model8), temperature=0.8, verifies=["match", "rejection"])
+    rows = {r["label"]: r for r in (await run_bench(cfg, log=lambda m: None))["rows"]}
+    assert set(rows) == {"pp", "sps/match", "sps/rejection"}
+    match, rejection = rows["sps/match"]["result_bytes_per_step"], rows["sps/rejection"]["result_bytes_per_step"]
+    assert 0 < match < 256 * 4 < rejection, "a row's distribution is 1 KiB here; a token a few bytes"
+    assert all(r["tokens"] == 6 for r in rows.values())
+
+
 @pytest.mark.slow
 def test_hf_reference_rows(tmp_path):
     from coordinator.hf_reference import hf_rows

@@ -65,7 +65,9 @@ class GrpcPipeline:
     async def _read_results(self, call) -> None:
         try:
             async for msg in call:
-                self._results.put_nowait(batch_from_proto(msg))
+                batch = batch_from_proto(msg)
+                batch.wire_bytes = msg.ByteSize()
+                self._results.put_nowait(batch)
             self._results.put_nowait(PipelineError("the last stage closed the results stream"))
         except asyncio.CancelledError:
             call.cancel()

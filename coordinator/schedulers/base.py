@@ -119,6 +119,8 @@ class Scheduler(ABC):
                 state.last_step = self._clock
                 # a micro-batch shared by n requests counts 1/n to each, so sums over requests are totals
                 state.count("batches", share)
+                if batch.wire_bytes:
+                    state.count("result_bytes", batch.wire_bytes * share)
                 for t in batch.trace:
                     state.count(f"stage{t.stage}_rows_computed", t.rows_computed * share)
                     state.count(f"stage{t.stage}_rows_dropped", (t.rows_in - t.rows_computed) * share)
