@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import secrets
+import struct
 from dataclasses import dataclass
 
 from services.sampling import GREEDY, Sampling
@@ -49,13 +50,19 @@ def check(prompt_ids: list[int], max_new_tokens: int | None, method: str, method
                              f"model's context of {limits.max_position} tokens")
     if method not in methods:
         raise InvalidRequest(f"unknown method {method!r}; available: {', '.join(sorted(methods))}")
-    sampling = Sampling(temperature, top_p or 1.0, top_k, seed)
+    # the wire carries float32: round here so that stages, draft and stats all see the same values
+    temperature, top_p = _f32(temperature), _f32(top_p or 1.0)
+    sampling = Sampling(temperature, top_p, top_k, seed)
     try:
         sampling.check()
     except ValueError as e:
         raise InvalidRequest(str(e)) from None
     if not sampling.greedy and not seed:
-        sampling = Sampling(temperature, top_p or 1.0, top_k, secrets.randbelow((1 << 53) - 1) + 1)
+        sampling = Sampling(temperature, top_p, top_k, secrets.randbelow((1 << 53) - 1) + 1)
     if any(len(s) > 256 for s in stop) or len(stop) > 16:
         raise InvalidRequest("at most 16 stop strings of at most 256 characters each")
     return Params(list(prompt_ids), n, method, tuple(s for s in stop if s), ignore_eos, sampling)
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0] if x == x and abs(x) < 3e38 else x
