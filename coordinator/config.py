@@ -38,6 +38,7 @@ class CoordinatorConfig:
     grace_s: float = 10.0
     max_message_mb: int = 256
     connect_timeout_s: float = 120.0
+    metrics_port: int = 0                # Prometheus metrics (0 = off)
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -64,7 +65,13 @@ class CoordinatorConfig:
     @classmethod
     def add_arguments(cls, p: argparse.ArgumentParser) -> None:
         p.add_argument("--stages", default=os.environ.get("SPECPIPE_STAGES", ""),
-                       help="comma-separated HOST:PORT of the stages, in pipeline order")
+                       help="comma-separated HOST:PORT of the stages, in pipeline order; or a template with "
+                            "'{i}' (e.g. the StatefulSet's headless DNS names REL-stage-{i}.REL-stage:50061) "
+                            "expanded for i in 0..--num-stages-1")
+        p.add_argument("--num-stages", type=int, default=int(os.environ.get("SPECPIPE_NUM_STAGES", "0")),
+                       help="with a '{i}' template in --stages: how many stages")
+        p.add_argument("--metrics-port", type=int, default=int(os.environ.get("SPECPIPE_METRICS_PORT", "0")),
+                       help="serve Prometheus metrics on this port (0 = off)")
         p.add_argument("--model", default=os.environ.get("SPECPIPE_MODEL", cls.model))
         p.add_argument("--host", default=os.environ.get("SPECPIPE_HOST", cls.host))
         p.add_argument("--port", type=int, default=int(os.environ.get("SPECPIPE_PORT", cls.port)))
@@ -81,8 +88,7 @@ class CoordinatorConfig:
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> "CoordinatorConfig":
-        stages = tuple(s.strip() for s in a.stages.split(",") if s.strip())
-        return cls(stages=stages, model=a.model, host=a.host, port=a.port, method=a.method,
+        return cls(stages=stage_addresses(a.stages, a.num_stages), metrics_port=a.metrics_port, model=a.model, host=a.host, port=a.port, method=a.method,
                    default_max_new_tokens=a.default_max_new_tokens, max_new_tokens_cap=a.max_new_tokens_cap,
                    grace_s=a.grace_s, max_active=a.max_active, max_queue=a.max_queue, **spec_kwargs(a))
 
@@ -91,6 +97,19 @@ class CoordinatorConfig:
         p = argparse.ArgumentParser()
         cls.add_arguments(p)
         return cls.from_args(p.parse_args([]))
+
+
+def stage_addresses(spec: str, num_stages: int = 0) -> tuple[str, ...]:
+    """Stage discovery: a static comma-separated list, or a template with '{i}' expanded num_stages times.
+
+    >>> stage_addresses("sp-stage-{i}.sp-stage:50061", 2)
+    ('sp-stage-0.sp-stage:50061', 'sp-stage-1.sp-stage:50061')
+    """
+    if "{i}" in spec:
+        if num_stages < 1:
+            raise ValueError("a '{i}' template in --stages needs --num-stages of at least 1")
+        return tuple(spec.strip().replace("{i}", str(i)) for i in range(num_stages))
+    return tuple(s.strip() for s in spec.split(",") if s.strip())
 
 
 def add_spec_arguments(p: argparse.ArgumentParser) -> None:

@@ -29,6 +29,10 @@ async def start(config: CoordinatorConfig) -> tuple[Server, Coordinator]:
 async def serve(config: CoordinatorConfig, port_file: str = "") -> None:
     log = get_logger("specpipe.coordinator")
     server, coordinator = await start(config)
+    if config.metrics_port:
+        from prometheus_client import start_http_server
+        start_http_server(config.metrics_port)
+        log.info("metrics serving", port=config.metrics_port)
     log.info("coordinator serving", port=server.port, stages=",".join(config.stages), method=config.method)
     if port_file:
         with open(port_file + ".tmp", "w") as f:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -85,7 +86,9 @@ class StageConfig:
     def add_arguments(cls, p: argparse.ArgumentParser) -> None:
         p.add_argument("--model", default=os.environ.get("SPECPIPE_MODEL", cls.model),
                        help="Hugging Face folder or hub id; 'default' = embedded SmolLM2-135M-Instruct")
-        p.add_argument("--stage", type=int, default=_env_int("SPECPIPE_STAGE", cls.stage))
+        p.add_argument("--stage", default=os.environ.get("SPECPIPE_STAGE", str(cls.stage)),
+                       help="this stage's index, or 'auto': the ordinal at the end of the host name "
+                            "(a StatefulSet pod NAME-3 is stage 3)")
         p.add_argument("--num-stages", type=int, default=_env_int("SPECPIPE_NUM_STAGES", cls.num_stages))
         p.add_argument("--layers", default=os.environ.get("SPECPIPE_LAYERS", ""),
                        help="layer range A:B held by this stage (default: even split)")
@@ -93,7 +96,8 @@ class StageConfig:
         p.add_argument("--port", type=int, default=_env_int("SPECPIPE_PORT", cls.port))
         p.add_argument("--port-file", default=cls.port_file, help=argparse.SUPPRESS)
         p.add_argument("--next-hop", default=os.environ.get("SPECPIPE_NEXT_HOP", cls.next_hop),
-                       help="HOST:PORT of the next stage (empty on the last stage)")
+                       help="HOST:PORT of the next stage (empty on the last stage); '{next}' in it is "
+                            "replaced by this stage's index + 1, and ignored on the last stage")
         p.add_argument("--dtype", default=os.environ.get("SPECPIPE_DTYPE", cls.dtype), choices=sorted(DTYPES))
         p.add_argument("--device", default=os.environ.get("SPECPIPE_DEVICE", cls.device))
         p.add_argument("--threads", type=int, default=_env_int("SPECPIPE_THREADS", cls.threads))
@@ -114,9 +118,13 @@ class StageConfig:
                 first, last = (int(x) for x in args.layers.split(":"))
             except ValueError:
                 raise ValueError(f"--layers {args.layers!r} is not of the form A:B") from None
-        return cls(model=args.model, stage=args.stage, num_stages=args.num_stages, first_layer=first,
+        stage = stage_index(args.stage)
+        next_hop = args.next_hop
+        if "{next}" in next_hop:
+            next_hop = next_hop.replace("{next}", str(stage + 1)) if stage + 1 < args.num_stages else ""
+        return cls(model=args.model, stage=stage, num_stages=args.num_stages, first_layer=first,
                    last_layer=last, host=args.host, port=args.port, port_file=args.port_file,
-                   next_hop=args.next_hop, dtype=args.dtype, device=args.device, threads=args.threads,
+                   next_hop=next_hop, dtype=args.dtype, device=args.device, threads=args.threads,
                    stage_time_ms=args.stage_time_ms, grace_s=args.grace_s, kv_limit_mb=args.kv_limit_mb)
 
     @classmethod
@@ -124,6 +132,24 @@ class StageConfig:
         p = argparse.ArgumentParser()
         cls.add_arguments(p)
         return cls.from_args(p.parse_args([]))
+
+
+def stage_index(value: str, hostname: str | None = None) -> int:
+    """'3' -> 3; 'auto' -> the ordinal that ends the host name (Kubernetes StatefulSet pods).
+
+    >>> stage_index("auto", hostname="specpipe-stage-12")
+    12
+    """
+    if value != "auto":
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"--stage {value!r} is neither an index nor 'auto'") from None
+    host = hostname if hostname is not None else socket.gethostname()
+    m = re.search(r"-(\d+)$", host)
+    if not m:
+        raise ValueError(f"--stage auto: the host name {host!r} does not end with -<ordinal>")
+    return int(m.group(1))
 
 
 def _env_int(name: str, default: int) -> int:

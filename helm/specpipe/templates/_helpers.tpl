@@ -1,0 +1,124 @@
+{{- define "specpipe.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "specpipe.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 57 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 57 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 57 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The stage StatefulSet and its headless Service share this name (pods: NAME-0, NAME-1, ...). */}}
+{{- define "specpipe.stageName" -}}
+{{- printf "%s-stage" (include "specpipe.fullname" .) -}}
+{{- end -}}
+
+{{- define "specpipe.coordinatorName" -}}
+{{- printf "%s-coordinator" (include "specpipe.fullname" .) -}}
+{{- end -}}
+
+{{- define "specpipe.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "specpipe.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "specpipe.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ include "specpipe.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{/* selectorLabels: call with (dict "ctx" $ "component" "stage") */}}
+{{- define "specpipe.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "specpipe.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "specpipe.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* The stage DNS name of ordinal i: call with (dict "ctx" $ "i" "{i}") */}}
+{{- define "specpipe.stageAddress" -}}
+{{- $s := include "specpipe.stageName" .ctx -}}
+{{- printf "%s-%s.%s.%s.svc.cluster.local:%d" $s (toString .i) $s .ctx.Release.Namespace (int .ctx.Values.stages.port) -}}
+{{- end -}}
+
+{{/* The --model argument every pod passes. */}}
+{{- define "specpipe.modelRef" -}}
+{{- $m := .Values.model -}}
+{{- if eq $m.source "hub" -}}{{ $m.hub.id }}
+{{- else if eq $m.source "default" -}}default
+{{- else -}}{{ trimSuffix "/" (printf "%s/%s" $m.mountPath $m.path) }}
+{{- end -}}
+{{- end -}}
+
+{{/* Volumes: the model (pvc or hostPath) and a cache (hub downloads, the converted default model). */}}
+{{- define "specpipe.modelVolumes" -}}
+{{- $m := .Values.model -}}
+{{- if eq $m.source "pvc" }}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ required "model.pvc.claimName is required with model.source=pvc" $m.pvc.claimName }}
+    readOnly: true
+{{- else if eq $m.source "hostPath" }}
+- name: model
+  hostPath:
+    path: {{ required "model.hostPath.path is required with model.source=hostPath" $m.hostPath.path }}
+    type: Directory
+{{- end }}
+- name: cache
+  emptyDir:
+    sizeLimit: {{ $m.hub.cacheSizeLimit }}
+{{- end -}}
+
+{{- define "specpipe.modelMounts" -}}
+{{- if has .Values.model.source (list "pvc" "hostPath") }}
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: true
+{{- end }}
+- name: cache
+  mountPath: /cache
+{{- end -}}
+
+{{/* Environment shared by every container: logs, caches, hub token. */}}
+{{- define "specpipe.commonEnv" -}}
+- name: SPECPIPE_LOG_FORMAT
+  value: {{ .Values.logFormat | quote }}
+- name: SPECPIPE_CACHE
+  value: /cache/specpipe
+- name: HF_HOME
+  value: /cache/hf
+{{- if and (eq .Values.model.source "hub") .Values.model.hub.tokenSecret.name }}
+- name: HF_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.model.hub.tokenSecret.name }}
+      key: {{ .Values.model.hub.tokenSecret.key }}
+{{- end }}
+{{- end -}}
+
+{{/* resources plus the GPU: call with (dict "resources" .resources "gpu" .gpu) */}}
+{{- define "specpipe.resources" -}}
+{{- $r := deepCopy (default dict .resources) -}}
+{{- if gt (int .gpu.count) 0 -}}
+{{- $limits := default dict (get $r "limits") -}}
+{{- $_ := set $limits .gpu.resourceName (int .gpu.count) -}}
+{{- $_ := set $r "limits" $limits -}}
+{{- end -}}
+{{- toYaml $r -}}
+{{- end -}}
