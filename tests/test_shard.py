@@ -98,3 +98,22 @@ def test_tree_rows_see_only_their_root_path(tiny_model, tiny_hf):
         px = torch.log_softmax(tiny_hf(torch.tensor([prefix + [x]])).logits[0, -1], -1)
         pyz = torch.log_softmax(tiny_hf(torch.tensor([prefix + [y, z]])).logits[0, -2:], -1)
     assert (out.logprobs - torch.cat([px[None], pyz])).abs().max().item() < ATOL
+
+
+def test_a_stage_reads_only_its_own_layers(tiny_model8, monkeypatch):
+    """A middle stage of 8 layers reads layers 2..4 and nothing else (no embedding, no LM head)."""
+    import services.model.shard as shard_mod
+    seen: list[str] = []
+    real = shard_mod._read_tensors
+
+    def recording(files, prefixes):
+        out = real(files, prefixes)
+        seen.extend(out)
+        return out
+    monkeypatch.setattr(shard_mod, "_read_tensors", recording)
+    shard = load_shard(str(tiny_model8), 2, 5, torch.float32, "cpu")
+    assert seen and {k.split(".")[2] for k in seen} == {"2", "3", "4"}
+    assert all(k.startswith("model.layers.") for k in seen)
+    assert not any(p.is_meta for p in shard.parameters()) and shard.embed_tokens is None and shard.lm_head is None
+    with pytest.raises(ValueError, match="layer range"):
+        load_shard(str(tiny_model8), 5, 9, torch.float32, "cpu")

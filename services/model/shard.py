@@ -127,11 +127,66 @@ def load_causal_lm(model_ref: str, dtype: torch.dtype, device: str | torch.devic
 
 def load_shard(model_ref: str, first: int, last: int | None, dtype: torch.dtype,
                device: str | torch.device) -> LlamaShard:
-    model = load_causal_lm(model_ref, dtype, device)
-    last = model.config.num_hidden_layers if last is None else last
+    """Layers [first, last) of a model (last=None: to the end), reading only their tensors from the
+    checkpoint's safetensors (a stage of a 70B model never holds the other stages' weights). A folder
+    without safetensors is loaded whole, then sliced."""
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = Path(model_ref)
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        model = load_causal_lm(model_ref, dtype, device)
+        shard = LlamaShard(model, first, model.config.num_hidden_layers if last is None else last)
+        del model
+        return shard
+    config = AutoConfig.from_pretrained(folder)
+    if getattr(config, "model_type", "") not in SUPPORTED_TYPES:
+        raise ValueError(f"model type {config.model_type!r} is not supported; "
+                         f"supported: {', '.join(sorted(SUPPORTED_TYPES))}")
+    last = config.num_hidden_layers if last is None else last
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
     shard = LlamaShard(model, first, last)
-    del model
+    shard.to_empty(device=device).to(dtype)
+    shard.rotary_emb = type(model.model.rotary_emb)(config).to(device)   # computed buffers, not weights
+    wanted = _shard_prefixes(shard, config)
+    state = _read_tensors(files, wanted)
+    if shard.is_last and "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]        # tied embeddings
+    missing = [k for k in model.state_dict() if k.startswith(wanted) and k not in state]
+    if missing:
+        raise ValueError(f"{model_ref}: the checkpoint lacks {len(missing)} tensors of layers "
+                         f"[{first}, {last}), e.g. {missing[0]}")
+    if not shard.is_first:
+        state.pop("model.embed_tokens.weight", None)          # read only for a tied LM head
+    model.load_state_dict(state, strict=False)
+    shard.eval()
     return shard
+
+
+def _shard_prefixes(shard: "LlamaShard", config) -> tuple[str, ...]:
+    prefixes = [f"model.layers.{i}." for i in range(shard.first, shard.last)]
+    if shard.is_first:
+        prefixes.append("model.embed_tokens.")
+    if shard.is_last:
+        prefixes += ["model.norm.", "lm_head."]
+        if getattr(config, "tie_word_embeddings", False):
+            prefixes.append("model.embed_tokens.")
+    return tuple(prefixes)
+
+
+def _read_tensors(files, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            for key in st.keys():
+                if key.startswith(prefixes):
+                    out[key] = st.get_tensor(key)
+    return out
 
 
 def even_split(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
