@@ -39,6 +39,7 @@ class Admission:
     kv_slots: int | None = None
     active: dict[str, int] = field(default_factory=dict)                    # request -> reserved slots
     queue: OrderedDict[str, int] = field(default_factory=OrderedDict)       # waiting, oldest first
+    held: bool = False       # while re-partitioning: nothing starts, new requests queue (bounded)
 
     def __post_init__(self) -> None:
         if self.max_active < 1 or self.max_queue < 0:
@@ -79,7 +80,16 @@ class Admission:
             started.append(nxt)
         return started
 
+    def hold(self) -> None:
+        """Start nothing new until `resume` (running requests go on; new ones wait in the queue)."""
+        self.held = True
+
+    def resume(self, kv_slots: int | None) -> list[str]:
+        """End a hold with the (new) KV limit; returns the queued requests that may start now."""
+        self.held, self.kv_slots = False, kv_slots
+        return self.release("")
+
     def _fits(self, need: int) -> bool:
-        if len(self.active) >= self.max_active:
+        if self.held or len(self.active) >= self.max_active:
             return False
         return self.kv_slots is None or self.reserved + need <= self.kv_slots

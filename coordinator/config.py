@@ -39,6 +39,9 @@ class CoordinatorConfig:
     max_message_mb: int = 256
     connect_timeout_s: float = 120.0
     metrics_port: int = 0                # Prometheus metrics (0 = off)
+    stage_template: str = ""             # '{i}' address template (DNS discovery); needed to scale
+    k8s_statefulset: str = ""            # watch this StatefulSet and follow its replica count
+    k8s_namespace: str = ""              # its namespace (default: the pod's own)
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -51,6 +54,8 @@ class CoordinatorConfig:
                self.pipeinfer_run, self.node_budget, self.max_active) < 1:
             raise ValueError("width, topk, draft_threads, sps_k, tree_nodes, tree_depth, pipeinfer_run, "
                              "node_budget and max_active must be at least 1")
+        if self.k8s_statefulset and "{i}" not in self.stage_template:
+            raise ValueError("--k8s-statefulset needs --stages as a '{i}' template (the stages' DNS names)")
         if self.max_queue < 0:
             raise ValueError("max_queue must be 0 or more")
         if not 0.0 <= self.pipeinfer_min_prob < 1.0:
@@ -70,6 +75,11 @@ class CoordinatorConfig:
                             "expanded for i in 0..--num-stages-1")
         p.add_argument("--num-stages", type=int, default=int(os.environ.get("SPECPIPE_NUM_STAGES", "0")),
                        help="with a '{i}' template in --stages: how many stages")
+        p.add_argument("--k8s-statefulset", default=os.environ.get("SPECPIPE_K8S_STATEFULSET", ""),
+                       help="follow this stage StatefulSet: `kubectl scale` re-partitions the pipeline "
+                            "(needs a '{i}' template in --stages)")
+        p.add_argument("--k8s-namespace", default=os.environ.get("POD_NAMESPACE", ""),
+                       help="namespace of --k8s-statefulset (default: this pod's)")
         p.add_argument("--metrics-port", type=int, default=int(os.environ.get("SPECPIPE_METRICS_PORT", "0")),
                        help="serve Prometheus metrics on this port (0 = off)")
         p.add_argument("--model", default=os.environ.get("SPECPIPE_MODEL", cls.model))
@@ -88,7 +98,9 @@ class CoordinatorConfig:
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> "CoordinatorConfig":
-        return cls(stages=stage_addresses(a.stages, a.num_stages), metrics_port=a.metrics_port, model=a.model, host=a.host, port=a.port, method=a.method,
+        return cls(stages=stage_addresses(a.stages, a.num_stages), metrics_port=a.metrics_port,
+                   stage_template=a.stages if "{i}" in a.stages else "", k8s_statefulset=a.k8s_statefulset,
+                   k8s_namespace=a.k8s_namespace, model=a.model, host=a.host, port=a.port, method=a.method,
                    default_max_new_tokens=a.default_max_new_tokens, max_new_tokens_cap=a.max_new_tokens_cap,
                    grace_s=a.grace_s, max_active=a.max_active, max_queue=a.max_queue, **spec_kwargs(a))
 

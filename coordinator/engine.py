@@ -75,6 +75,7 @@ class Engine:
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
         self.failure: BaseException | None = None
+        self.unavailable = ""          # set while the pipeline has no stages (scaled to zero): why
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._execute()), asyncio.create_task(self._pump())]
@@ -90,6 +91,43 @@ class Engine:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def drained(self, poll_s: float = 0.05) -> None:
+        """Wait until no admitted request runs (queued ones stay queued) and every action they produced
+        (their release broadcasts) has gone out."""
+        while self.admission.active:
+            await asyncio.sleep(poll_s)
+        await self._work.join()
+
+    async def swap_transport(self, transport: Transport | None, kv_slots: int | None, why: str = "") -> None:
+        """Re-partitioning: with nothing running, continue on another pipeline (None: no pipeline, every
+        request fails with UNAVAILABLE and `why`). Schedulers are rebuilt for the new depth."""
+        if self.admission.active:
+            raise RuntimeError("swap_transport needs a drained engine")
+        for t in self._tasks[1:]:
+            t.cancel()
+        await asyncio.gather(*self._tasks[1:], return_exceptions=True)
+        self._schedulers.clear()
+        self._owner.clear()
+        self._sent_at.clear()
+        self.failure = None
+        self.transport = transport
+        self.unavailable = "" if transport is not None else why
+        if transport is not None:
+            self._tasks[1:] = [asyncio.create_task(self._pump())]
+            self._release_started(self.admission.resume(kv_slots))
+        else:
+            self._tasks[1:] = []
+            self.admission.resume(kv_slots)
+            for rid, fut in list(self._waiting.items()):      # held requests cannot run anywhere
+                if not fut.done():
+                    fut.set_exception(RuntimeError(why))
+
+    def _release_started(self, started: list[str]) -> None:
+        for rid in started:
+            fut = self._waiting.pop(rid, None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
 
     @property
     def active(self) -> int:
@@ -111,6 +149,8 @@ class Engine:
         never fit, RuntimeError when the pipeline has failed or the engine closes while it waits."""
         if self.failure is not None:
             raise RuntimeError(f"the pipeline failed: {self.failure}")
+        if self.unavailable:
+            raise RuntimeError(self.unavailable)
         sched = self.scheduler(method or self.default_method, spec)
         rid = request_id or uuid.uuid4().hex[:16]
         if rid in self._live:
@@ -150,10 +190,7 @@ class Engine:
 
     def _release(self, request_id: str) -> None:
         """The request no longer holds its admission; start the queued requests that fit now."""
-        for rid in self.admission.release(request_id):
-            fut = self._waiting.pop(rid, None)
-            if fut is not None and not fut.done():
-                fut.set_result(None)
+        self._release_started(self.admission.release(request_id))
 
     async def _call(self, sched: Scheduler, fn, *args):
         async with self._lock:

@@ -33,12 +33,45 @@ async def serve(config: CoordinatorConfig, port_file: str = "") -> None:
         from prometheus_client import start_http_server
         start_http_server(config.metrics_port)
         log.info("metrics serving", port=config.metrics_port)
+    watcher = start_scaling(config, coordinator) if config.k8s_statefulset else None
     log.info("coordinator serving", port=server.port, stages=",".join(config.stages), method=config.method)
     if port_file:
         with open(port_file + ".tmp", "w") as f:
             f.write(str(server.port))
         os.replace(port_file + ".tmp", port_file)
-    await server.serve_until_signal(config.grace_s, on_stop=coordinator.close)
+    try:
+        await server.serve_until_signal(config.grace_s, on_stop=coordinator.close)
+    finally:
+        if watcher is not None:
+            await asyncio.to_thread(watcher.stop)
+
+
+def start_scaling(config: CoordinatorConfig, coordinator: Coordinator):
+    """Follow the stage StatefulSet (in-cluster credentials, else the local kubeconfig)."""
+    from kubernetes import client, config as kube_config
+
+    from coordinator.k8s import watch_statefulset
+    from coordinator.scaling import Repartitioner
+
+    try:
+        kube_config.load_incluster_config()
+    except kube_config.ConfigException:
+        kube_config.load_kube_config()
+    namespace = config.k8s_namespace or _pod_namespace()
+    repartitioner = Repartitioner(coordinator, lambda i: config.stage_template.replace("{i}", str(i)))
+    get_logger("specpipe.coordinator").info("following the stage StatefulSet", name=config.k8s_statefulset,
+                                            namespace=namespace)
+    return watch_statefulset(client.AppsV1Api(), namespace, config.k8s_statefulset, repartitioner,
+                             asyncio.get_running_loop())
+
+
+def _pod_namespace() -> str:
+    path = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return "default"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,14 +61,14 @@ class GenerationFailed(RuntimeError):
 class Coordinator:
     def __init__(self, config: CoordinatorConfig, pipeline: GrpcPipeline, engine: Engine,
                  encoder: PromptEncoder, eos_ids: frozenset[int], limits: Limits) -> None:
-        self.config, self.pipeline, self.engine = config, pipeline, engine
+        self.config, self.engine = config, engine
+        self.pipeline: GrpcPipeline | None = pipeline      # None while scaled to zero (coordinator/scaling.py)
+        self.num_layers = pipeline.infos[0].num_layers_total
         self.encoder, self.eos_ids, self.limits = encoder, eos_ids, limits
 
     @classmethod
     async def connect(cls, config: CoordinatorConfig) -> "Coordinator":
-        pipeline = GrpcPipeline(list(config.stages), config.max_message_mb * 1024 * 1024,
-                                config.connect_timeout_s)
-        await pipeline.start()
+        pipeline = await _open(config, list(config.stages))
         info = pipeline.infos[0]
         tokenizer, eos_ids = await asyncio.to_thread(load_tokenizer, config.model)
         limits = Limits(info.vocab_size, info.max_position, config.default_max_new_tokens,
@@ -80,9 +80,7 @@ class Coordinator:
                            sps_k=config.sps_k, tree_nodes=config.tree_nodes, tree_depth=config.tree_depth,
                            pipeinfer_run=config.pipeinfer_run, pipeinfer_min_prob=config.pipeinfer_min_prob,
                            node_budget=config.node_budget, verify=config.verify)
-        kv_slots = [i.kv_limit_bytes // i.kv_bytes_per_slot for i in pipeline.infos
-                    if i.kv_limit_bytes and i.kv_bytes_per_slot]
-        admission = Admission(config.max_active, config.max_queue, min(kv_slots) if kv_slots else None)
+        admission = Admission(config.max_active, config.max_queue, kv_slots(pipeline))
         engine = Engine(pipeline, default_method=config.method, spec=spec, admission=admission)
         await engine.start()
         log.info("coordinator connected", stages=len(config.stages), vocab=info.vocab_size,
@@ -91,7 +89,15 @@ class Coordinator:
 
     async def close(self) -> None:
         await self.engine.close()
-        await self.pipeline.close()
+        if self.pipeline is not None:
+            await self.pipeline.close()
+
+    async def open_pipeline(self, addresses: list[str]) -> GrpcPipeline:
+        return await _open(self.config, addresses)
+
+    @staticmethod
+    def kv_slots(pipeline: GrpcPipeline) -> int | None:
+        return kv_slots(pipeline)
 
     def prepare(self, inp: GenerateInput):
         """Validate and tokenize; raises InvalidRequest."""
@@ -154,6 +160,18 @@ class Coordinator:
         finally:
             if not done:
                 self.engine.cancel(rid)
+
+
+async def _open(config: CoordinatorConfig, addresses: list[str]) -> GrpcPipeline:
+    pipeline = GrpcPipeline(addresses, config.max_message_mb * 1024 * 1024, config.connect_timeout_s)
+    await pipeline.start()
+    return pipeline
+
+
+def kv_slots(pipeline: GrpcPipeline) -> int | None:
+    """KV slots per request budget: the smallest stage limit (None when no stage has one)."""
+    slots = [i.kv_limit_bytes // i.kv_bytes_per_slot for i in pipeline.infos if i.kv_limit_bytes and i.kv_bytes_per_slot]
+    return min(slots) if slots else None
 
 
 def load_tokenizer(model: str) -> tuple[object | None, frozenset[int]]:

@@ -148,3 +148,17 @@ class StageInfo(_message.Message):
     kv_limit_bytes: int
     kv_bytes_per_slot: int
     def __init__(self, stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., first_layer: _Optional[int] = ..., last_layer: _Optional[int] = ..., num_layers_total: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_position: _Optional[int] = ..., active_requests: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., next_hop: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ..., batches: _Optional[int] = ..., rows_computed: _Optional[int] = ..., rows_dropped: _Optional[int] = ..., kv_limit_bytes: _Optional[int] = ..., kv_bytes_per_slot: _Optional[int] = ...) -> None: ...
+
+class ConfigureRequest(_message.Message):
+    __slots__ = ("stage", "num_stages", "first_layer", "last_layer", "next_hop")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    LAST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    NEXT_HOP_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    num_stages: int
+    first_layer: int
+    last_layer: int
+    next_hop: str
+    def __init__(self, stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., first_layer: _Optional[int] = ..., last_layer: _Optional[int] = ..., next_hop: _Optional[str] = ...) -> None: ...

@@ -54,6 +54,11 @@ class StageStub:
                 request_serializer=protos_dot_stage__pb2.InfoRequest.SerializeToString,
                 response_deserializer=protos_dot_stage__pb2.StageInfo.FromString,
                 _registered_method=True)
+        self.Configure = channel.unary_unary(
+                '/specpipe.v1.Stage/Configure',
+                request_serializer=protos_dot_stage__pb2.ConfigureRequest.SerializeToString,
+                response_deserializer=protos_dot_stage__pb2.StageInfo.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -88,6 +93,14 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Configure(self, request, context):
+        """Re-partition: hold another layer range, take another place in the pipeline. Refused with
+        FAILED_PRECONDITION while any request holds KV here (the coordinator drains first).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +122,11 @@ def add_StageServicer_to_server(servicer, server):
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
                     request_deserializer=protos_dot_stage__pb2.InfoRequest.FromString,
+                    response_serializer=protos_dot_stage__pb2.StageInfo.SerializeToString,
+            ),
+            'Configure': grpc.unary_unary_rpc_method_handler(
+                    servicer.Configure,
+                    request_deserializer=protos_dot_stage__pb2.ConfigureRequest.FromString,
                     response_serializer=protos_dot_stage__pb2.StageInfo.SerializeToString,
             ),
     }
@@ -219,6 +237,33 @@ class Stage:
             target,
             '/specpipe.v1.Stage/Info',
             protos_dot_stage__pb2.InfoRequest.SerializeToString,
+            protos_dot_stage__pb2.StageInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Configure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specpipe.v1.Stage/Configure',
+            protos_dot_stage__pb2.ConfigureRequest.SerializeToString,
             protos_dot_stage__pb2.StageInfo.FromString,
             options,
             channel_credentials,

@@ -35,7 +35,7 @@ def build_runner(config: StageConfig) -> tuple[StageRunner, str]:
 async def serve(config: StageConfig) -> None:
     log = get_logger("specpipe.stage")
     runner, model_ref = build_runner(config)
-    servicer = StageServicer(runner, config, model_name=Path(model_ref).name)
+    servicer = StageServicer(runner, config, model_name=Path(model_ref).name, model_ref=model_ref)
     server = Server([SERVICE_NAME], config.max_message_mb * MiB)
     stage_pb2_grpc.add_StageServicer_to_server(servicer, server.server)
     port = server.bind(config.host, config.port)

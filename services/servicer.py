@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import grpc
 
@@ -26,17 +27,20 @@ _END = object()
 
 
 class StageServicer(stage_pb2_grpc.StageServicer):
-    def __init__(self, runner: StageRunner, config: StageConfig, model_name: str = "") -> None:
+    def __init__(self, runner: StageRunner, config: StageConfig, model_name: str = "", model_ref: str = "") -> None:
         self.runner = runner
         self.config = config
         self.model_name = model_name
+        self.model_ref = model_ref           # what load_shard reads when Configure moves the layer range
         self._state = asyncio.Lock()
         self._busy = asyncio.Lock()
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._subscriber: asyncio.Queue | None = None
         self._next_hop = config.next_hop
+        self._hop_version = 0                # bumped by Configure: the send loop reconnects
         self._sender: asyncio.Task | None = None
         self._channel: grpc.aio.Channel | None = None
+        self._old_channels: list[grpc.aio.Channel] = []     # next hops before a Configure; closed at close()
         self.log = log.bind(stage=config.stage)
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -52,8 +56,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 self._sender.cancel()
         if self._subscriber is not None:
             self._subscriber.put_nowait(_END)
-        if self._channel is not None:
-            await self._channel.close()
+        for channel in [self._channel, *self._old_channels]:
+            if channel is not None:
+                await channel.close()
 
     # -- data plane ---------------------------------------------------------------------------------
     async def Forward(self, request_iterator, context):
@@ -89,11 +94,15 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     async def _send_loop(self) -> None:
         """Deliver outputs in order: to the next hop's Forward stream, or to the Results subscriber."""
-        call = None
+        call, version = None, self._hop_version
         while True:
             msg = await self._outbox.get()
+            self._outbox.task_done()
             if msg is _END:
                 break
+            if version != self._hop_version:        # Configure changed the next hop
+                await _finish_call(call)
+                call, version = None, self._hop_version
             if not self._next_hop:
                 if self._subscriber is None:
                     self.log.warning("result dropped: no Results subscriber", batch_id=msg.batch_id)
@@ -114,12 +123,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             else:
                 self.log.error("micro-batch lost: next hop unreachable", batch_id=msg.batch_id,
                                next_hop=self._next_hop)
-        if call is not None:
-            try:
-                await call.done_writing()
-                await call
-            except grpc.aio.AioRpcError:
-                pass
+        await _finish_call(call)
 
     def _open_forward(self):
         if self._channel is None:
@@ -160,6 +164,52 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             count += 1
         return stage_pb2.ControlSummary(messages=count)
 
+    async def Configure(self, request: stage_pb2.ConfigureRequest, context):
+        """Take layers [first, last) and place `stage` of `num_stages` with a new next hop. The stage must
+        hold no request (the coordinator drains first); new layers are read from the model's files."""
+        shard = self.runner.shard
+        first, last, n, stage = request.first_layer, request.last_layer, request.num_stages, request.stage
+        if not (0 <= first < last <= shard.total_layers and 0 <= stage < n):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"layers [{first}, {last}) of {shard.total_layers}, stage {stage} of {n}")
+        if (stage == n - 1) != (not request.next_hop) or (last == shard.total_layers) != (stage == n - 1):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "exactly the last stage holds the last layer and has no next hop")
+        async with self._busy:
+            async with self._state:
+                if self.runner.cache.requests:
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                        f"{len(self.runner.cache.requests)} request(s) still hold KV on stage "
+                                        f"{self.config.stage}; drain before re-partitioning")
+            try:
+                await asyncio.wait_for(self._outbox.join(), timeout=30)
+            except asyncio.TimeoutError:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "outputs still queued for the next hop")
+            started = time.perf_counter()
+            if (first, last) != (shard.first, shard.last):
+                from services.model.shard import load_shard
+                new = await asyncio.to_thread(load_shard, self.model_ref, first, last, shard.dtype, shard.device)
+                runner = StageRunner(new, stage, kv_limit_bytes=self.runner.cache.limit_bytes)
+            else:
+                runner = self.runner
+                runner.stage_index = stage
+            async with self._state:
+                self.runner = runner
+                self.config = replace(self.config, stage=stage, num_stages=n, first_layer=first,
+                                      last_layer=last, next_hop=request.next_hop)
+                if request.next_hop != self._next_hop:
+                    self._next_hop = request.next_hop
+                    self._hop_version += 1
+                    if self._channel is not None:                # the send loop finishes its call on it
+                        self._old_channels.append(self._channel)
+                        self._channel = None
+                if self._next_hop and self._subscriber is not None:
+                    self._subscriber.put_nowait(_END)       # no longer the last stage
+            self.log = log.bind(stage=stage)
+            self.log.info("re-partitioned", layers=f"{first}:{last}", num_stages=n,
+                          next_hop=request.next_hop or "(last)", seconds=round(time.perf_counter() - started, 2))
+        return await self.Info(stage_pb2.InfoRequest(), context)
+
     async def Info(self, request, context):
         r, shard, cache = self.runner, self.runner.shard, self.runner.cache
         async with self._state:
@@ -179,6 +229,16 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                                   node_ids=sorted(kv.slot_of), tombstones=len(kv.table.tombstones),
                                   kv_bytes=kv.nbytes())
         return info
+
+
+async def _finish_call(call) -> None:
+    if call is None:
+        return
+    try:
+        await call.done_writing()
+        await call
+    except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+        pass
 
 
 def _rejected(msg: stage_pb2.MicroBatch, error: str, stage: int,

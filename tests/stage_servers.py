@@ -25,7 +25,7 @@ async def stage_servers(model: str, num_stages: int, stage_time_ms: str = "0", k
                                  next_hop=addresses[i + 1] if i + 1 < num_stages else "",
                                  stage_time_ms=stage_time_ms, kv_limit_mb=kv_limit_mb)
             runner, _ = build_runner(config)
-            servicer = StageServicer(runner, config, model_name="test")
+            servicer = StageServicer(runner, config, model_name="test", model_ref=model)
             server = Server([SERVICE_NAME], config.max_message_mb * MiB)
             stage_pb2_grpc.add_StageServicer_to_server(servicer, server.server)
             server.bind(config.host, port)

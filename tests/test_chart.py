@@ -169,6 +169,14 @@ def test_rendered_arguments_parse_with_our_cli(monkeypatch):
     assert cfg.stages == tuple(f"rel-specpipe-stage-{i}.rel-specpipe-stage.prod.svc.cluster.local:50061"
                                for i in range(4))
     assert cfg.metrics_port == 9090 and cfg.method == "specpipe"
+    env = {e["name"]: e for e in one(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["SPECPIPE_K8S_STATEFULSET"]["value"] == "rel-specpipe-stage"
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    monkeypatch.setenv("SPECPIPE_K8S_STATEFULSET", "rel-specpipe-stage")
+    p = argparse.ArgumentParser()
+    CoordinatorConfig.add_arguments(p)
+    cfg = CoordinatorConfig.from_args(p.parse_args(coord_args[1:]))
+    assert cfg.k8s_statefulset == "rel-specpipe-stage" and "{i}" in cfg.stage_template
     hook_args = one(objs, "Pod")["spec"]["containers"][0]["args"]
     assert build_parser().parse_args(hook_args).addr == "rel-specpipe-coordinator:50051"
 

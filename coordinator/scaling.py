@@ -1,0 +1,120 @@
+"""Changing the pipeline depth while serving (`kubectl scale statefulset/<release>-stage --replicas=N`).
+
+`Repartitioner.scale(n)` converges the pipeline to n stages:
+1. hold: new requests wait in the admission queue (bounded by --max-queue; beyond it RESOURCE_EXHAUSTED);
+2. drain: requests already running finish on the old pipeline (nothing is lost or restarted);
+3. re-partition: every stage 0..n-1 gets its even share of the layers and its next hop (Stage/Configure;
+   a stage reads only the layers it now holds);
+4. resume on the new pipeline (schedulers are rebuilt for the new depth), or, for n = 0, answer every
+   request with UNAVAILABLE and a message saying the stages were scaled to zero.
+Requests of the new target arriving while a re-partition runs are applied after it (the latest wins).
+
+    plan(["a:1", "b:1", "c:1"], 30) -> stage 0 layers [0, 10) -> b:1, stage 1 [10, 20) -> c:1, stage 2 [20, 30) last
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+from prometheus_client import Counter
+
+from protos import stage_pb2, stage_pb2_grpc
+from services.logs import get_logger
+from services.model.shard import even_split
+
+log = get_logger(__name__)
+REPARTITIONS = Counter("specpipe_repartitions_total", "Pipeline re-partitions by outcome", ["outcome"])
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    address: str
+    stage: int
+    num_stages: int
+    first_layer: int
+    last_layer: int
+    next_hop: str
+
+
+def plan(addresses: list[str], num_layers: int) -> list[StagePlan]:
+    """The even layer split over the stages, each pointing at the next one."""
+    ranges = even_split(num_layers, len(addresses))
+    n = len(addresses)
+    return [StagePlan(a, i, n, f, l, addresses[i + 1] if i + 1 < n else "")
+            for i, (a, (f, l)) in enumerate(zip(addresses, ranges))]
+
+
+async def configure(p: StagePlan, timeout_s: float = 600.0, attempts: int = 20) -> stage_pb2.StageInfo:
+    """Configure one stage; retries while it still releases the KV of drained requests (the control stream
+    may deliver the releases a moment after the data plane went quiet)."""
+    async with grpc.aio.insecure_channel(p.address) as channel:
+        stub = stage_pb2_grpc.StageStub(channel)
+        req = stage_pb2.ConfigureRequest(stage=p.stage, num_stages=p.num_stages, first_layer=p.first_layer,
+                                         last_layer=p.last_layer, next_hop=p.next_hop)
+        for attempt in range(attempts):
+            try:
+                return await stub.Configure(req, timeout=timeout_s, wait_for_ready=True)
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.FAILED_PRECONDITION or attempt == attempts - 1:
+                    raise
+                await asyncio.sleep(0.1)
+    raise AssertionError("unreachable")
+
+
+class Repartitioner:
+    """Owns the coordinator's pipeline while its depth changes (see the module docstring)."""
+
+    def __init__(self, coordinator, address_of: Callable[[int], str]) -> None:
+        self.coordinator = coordinator
+        self.address_of = address_of
+        self.current = coordinator.pipeline.num_stages if coordinator.pipeline is not None else 0
+        self._target: int | None = None
+        self._lock = asyncio.Lock()
+
+    async def scale(self, n: int) -> None:
+        """Converge to n stages (returns when done; concurrent calls: the latest target wins)."""
+        if n < 0:
+            raise ValueError("the number of stages cannot be negative")
+        self._target = n
+        async with self._lock:
+            while self._target is not None and self._target != self.current:
+                target = self._target
+                await self._repartition(target)
+            self._target = None
+
+    async def _repartition(self, n: int) -> None:
+        c, engine = self.coordinator, self.coordinator.engine
+        started = time.perf_counter()
+        log.info("re-partition: holding new requests, draining", stages_from=self.current, stages_to=n,
+                 running=len(engine.admission.active))
+        engine.admission.hold()
+        await engine.drained()
+        if c.pipeline is not None:
+            await c.pipeline.close()
+            c.pipeline = None
+        if n == 0:
+            self.current = 0
+            await engine.swap_transport(None, None, why="the pipeline has no stages: the stage StatefulSet "
+                                        "was scaled to 0 replicas; scale it up to serve again")
+            REPARTITIONS.labels("scaled_to_zero").inc()
+            log.warning("re-partition: no stages, answering UNAVAILABLE")
+            return
+        try:
+            plans = plan([self.address_of(i) for i in range(n)], c.num_layers)
+            await asyncio.gather(*(configure(p) for p in plans))
+            pipeline = await c.open_pipeline([p.address for p in plans])
+        except Exception as e:
+            self.current = -1                       # unknown: the next scale() tries again
+            await engine.swap_transport(None, None, why=f"re-partition to {n} stages failed: {e}")
+            REPARTITIONS.labels("failed").inc()
+            log.error("re-partition failed", stages=n, error=str(e))
+            return
+        c.pipeline = pipeline
+        self.current = n
+        await engine.swap_transport(pipeline, c.kv_slots(pipeline))
+        REPARTITIONS.labels("ok").inc()
+        log.info("re-partitioned", stages=n, layers=[(p.first_layer, p.last_layer) for p in plans],
+                 seconds=round(time.perf_counter() - started, 2))
