@@ -3,7 +3,9 @@
 A daemon thread watches the one StatefulSet (the sync `kubernetes` client; RBAC in the chart allows get,
 list and watch on it). When `spec.replicas` is 0, or the StatefulSet reports at least that many ready
 replicas, it asks the Repartitioner for that depth on the event loop. Stage i is reached at
-`address_of(i)`, the headless-Service DNS name of pod <name>-i.
+`address_of(i)`, the headless-Service DNS name of pod <name>-i. After a pipeline failure (a stage pod
+restarted and came back with its default layers), the next event with every replica ready re-applies the
+partition.
 """
 from __future__ import annotations
 
@@ -70,8 +72,11 @@ def watch_statefulset(apps_api, namespace: str, name: str, repartitioner,
                       loop: asyncio.AbstractEventLoop) -> StatefulSetWatcher:
     """Start a watcher that drives `repartitioner.scale` on `loop`."""
     def on_depth(n: int) -> None:
-        if n != repartitioner.current:
-            asyncio.run_coroutine_threadsafe(repartitioner.scale(n), loop)
+        # also after a pipeline failure (say a stage pod restarted with its default layers): once all
+        # stages are ready again, re-apply the partition
+        broken = repartitioner.coordinator.engine.failure is not None
+        if n != repartitioner.current or broken:
+            asyncio.run_coroutine_threadsafe(repartitioner.scale(n, force=broken), loop)
     watcher = StatefulSetWatcher(apps_api, namespace, name, on_depth)
     watcher.start()
     return watcher

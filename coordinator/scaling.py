@@ -74,12 +74,15 @@ class Repartitioner:
         self._target: int | None = None
         self._lock = asyncio.Lock()
 
-    async def scale(self, n: int) -> None:
-        """Converge to n stages (returns when done; concurrent calls: the latest target wins)."""
+    async def scale(self, n: int, force: bool = False) -> None:
+        """Converge to n stages (returns when done; concurrent calls: the latest target wins). force:
+        re-partition even at the same depth (after a failure)."""
         if n < 0:
             raise ValueError("the number of stages cannot be negative")
         self._target = n
         async with self._lock:
+            if force and self.coordinator.engine.failure is not None:
+                self.current = -1
             while self._target is not None and self._target != self.current:
                 target = self._target
                 await self._repartition(target)

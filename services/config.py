@@ -119,10 +119,13 @@ class StageConfig:
             except ValueError:
                 raise ValueError(f"--layers {args.layers!r} is not of the form A:B") from None
         stage = stage_index(args.stage)
+        # a pod added by `kubectl scale` starts with the chart's old depth: it takes the last place until
+        # the coordinator re-partitions the pipeline (Stage/Configure)
+        num_stages = max(args.num_stages, stage + 1) if args.stage == "auto" else args.num_stages
         next_hop = args.next_hop
         if "{next}" in next_hop:
-            next_hop = next_hop.replace("{next}", str(stage + 1)) if stage + 1 < args.num_stages else ""
-        return cls(model=args.model, stage=stage, num_stages=args.num_stages, first_layer=first,
+            next_hop = next_hop.replace("{next}", str(stage + 1)) if stage + 1 < num_stages else ""
+        return cls(model=args.model, stage=stage, num_stages=num_stages, first_layer=first,
                    last_layer=last, host=args.host, port=args.port, port_file=args.port_file,
                    next_hop=next_hop, dtype=args.dtype, device=args.device, threads=args.threads,
                    stage_time_ms=args.stage_time_ms, grace_s=args.grace_s, kv_limit_mb=args.kv_limit_mb)

@@ -154,14 +154,16 @@ def test_rendered_arguments_parse_with_our_cli(monkeypatch):
     stage_args = one(objs, "StatefulSet")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert stage_args[0] == "stage"
     import argparse
-    for host, next_hop in [("rel-specpipe-stage-2", "rel-specpipe-stage-3.rel-specpipe-stage.prod.svc.cluster.local:50061"),
-                           ("rel-specpipe-stage-3", "")]:
+    for host, next_hop, depth in [
+            ("rel-specpipe-stage-2", "rel-specpipe-stage-3.rel-specpipe-stage.prod.svc.cluster.local:50061", 4),
+            ("rel-specpipe-stage-3", "", 4),
+            ("rel-specpipe-stage-5", "", 6)]:            # added by kubectl scale: last until re-partitioned
         monkeypatch.setattr(socket, "gethostname", lambda h=host: h)
         p = argparse.ArgumentParser()
         StageConfig.add_arguments(p)
         cpu_args = ["--device=cpu" if x.startswith("--device=") else x for x in stage_args[1:]]   # no GPU here
         cfg = StageConfig.from_args(p.parse_args(cpu_args))
-        assert cfg.next_hop == next_hop and cfg.num_stages == 4
+        assert cfg.next_hop == next_hop and cfg.num_stages == depth
     coord_args = one(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     p = argparse.ArgumentParser()
     CoordinatorConfig.add_arguments(p)

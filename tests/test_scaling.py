@@ -119,6 +119,11 @@ async def test_kubectl_scale_of_the_statefulset_is_followed(kmock, tiny_model8, 
             await scale(1, 1)
             await wait_for(lambda: rep.current == 1)
             assert await generate(coord, prompt, 10) == want and coord.pipeline.num_stages == 1
+            coord.engine.failure = RuntimeError("results stream broke")      # e.g. a stage pod restarted
+            await scale(1, 0)
+            await scale(1, 1)                                   # ready again: the partition is re-applied
+            await wait_for(lambda: coord.engine.failure is None)
+            assert await generate(coord, prompt, 10) == want
         finally:
             await asyncio.to_thread(watcher.stop)
             await server.stop(0)
