@@ -228,6 +228,17 @@ class Scheduler(ABC):
         self._broadcast(Control(state.request.request_id, commit=node_ids, prune=list(prune)))
         return True
 
+    def _commit_next(self, state: RequestState, outputs: list[int]) -> Segment | None:
+        """Plain decoding (pp, cb-pp): commit the target's token after the committed chain; returns the row
+        that carries it into the pipeline next, or None when the request finished (or got no output)."""
+        if not outputs:
+            return None
+        token, parent = outputs[-1], state.committed[-1]
+        node, position = state.new_node(), len(state.committed)
+        if not self._commit(state, [node], [token]):
+            return None
+        return Segment(state.request.request_id, [node], [parent], [position], [token], [True])
+
     def _finish(self, state: RequestState, reason: str, error: str = "", error_code: int = 0) -> None:
         rid = state.request.request_id
         del self.requests[rid]

@@ -35,15 +35,9 @@ class CBPPScheduler(BatchingScheduler):
         return min(self.node_budget, max(1, math.ceil(running / self.num_stages)))
 
     def _on_segment(self, state: RequestState, seg: Segment, outputs: list[int], logprobs=None) -> None:
-        if not outputs:
-            return
-        token = outputs[-1]
-        parent = state.committed[-1]
-        node = state.new_node()
-        position = len(state.committed)
-        if self._commit(state, [node], [token]):
-            rid = state.request.request_id
-            self.next_row[rid] = Segment(rid, [node], [parent], [position], [token], [True])
+        row = self._commit_next(state, outputs)
+        if row is not None:
+            self.next_row[state.request.request_id] = row
 
     def _finish(self, state: RequestState, reason: str, error: str = "", error_code: int = 0) -> None:
         self.next_row.pop(state.request.request_id, None)

@@ -24,11 +24,6 @@ class PPScheduler(Scheduler):
                               [False] * (n - 1) + [True])])
 
     def _on_segment(self, state: RequestState, seg: Segment, outputs: list[int], logprobs=None) -> None:
-        if not outputs:
-            return
-        token = outputs[-1]
-        parent = state.committed[-1]
-        node = state.new_node()
-        position = len(state.committed)
-        if self._commit(state, [node], [token]):
-            self._inject([Segment(state.request.request_id, [node], [parent], [position], [token], [True])])
+        row = self._commit_next(state, outputs)
+        if row is not None:
+            self._inject([row])
