@@ -168,7 +168,7 @@ class Engine:
         except BaseException as e:
             self._waiting.pop(rid, None)
             if added and isinstance(e, asyncio.CancelledError):
-                self.cancel(rid)            # the client left while the request was being added
+                self._spawn(self._abandon(sched, rid))     # the client left while it was being added
             else:
                 self._live.pop(rid, None)
                 self._release(rid)
@@ -187,6 +187,15 @@ class Engine:
                 waiting.set_exception(RuntimeError(why))
             return
         self._spawn(self._call(live.scheduler, live.scheduler.cancel, request_id, reason))
+
+    async def _abandon(self, sched: Scheduler, rid: str) -> None:
+        """A submit cancelled around `add`: cancel the request if the scheduler took it, else (the add
+        never ran, or failed) drop what the engine holds for it."""
+        if await self._call(sched, lambda: rid in sched.requests):
+            await self._call(sched, sched.cancel, rid, "cancelled")
+        else:
+            self._live.pop(rid, None)
+            self._release(rid)
 
     def _release(self, request_id: str) -> None:
         """The request no longer holds its admission; start the queued requests that fit now."""

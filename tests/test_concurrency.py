@@ -144,3 +144,51 @@ def test_a_stage_refuses_growth_past_its_kv_limit_and_others_go_on(tiny_model, t
     assert out["small"].tokens == hf_greedy(tiny_hf, [3, 4], 20)
     assert out["big"].reason == "error" and "KV cache limit" in out["big"].error
     assert all(not r.cache.requests and r.cache.nbytes() == 0 for r in runners)
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+async def test_a_hundred_cancelled_or_expired_streams_leave_nothing(tiny_model):
+    """Clients that hang up (before or after the first token) or whose deadline passes: within a bounded
+    time no stage holds request state or KV, the coordinator holds nothing, memory is back near baseline."""
+    async with stage_servers(str(tiny_model), 3, stage_time_ms="3") as (addrs, _):
+        server, coord = await start(CoordinatorConfig(stages=tuple(addrs), model=str(tiny_model), port=0,
+                                                      method="specpipe", max_new_tokens_cap=256,
+                                                      default_max_new_tokens=16))
+        client = Client(server.port)
+        try:
+            await client.generate(prompt_token_ids=[1, 2, 3], max_new_tokens=8)         # warm-up
+            await wait_until_empty(addrs, coord)
+            baseline = rss_mb()
+
+            async def doomed(i: int) -> None:
+                req = generation_pb2.GenerateRequest(prompt_token_ids=[5 + i % 50, 7, 9], max_new_tokens=200,
+                                                     ignore_eos=True, method=("specpipe", "pp", "cb-pp")[i % 3])
+                if i % 3 == 2:                                   # the deadline passes mid-stream
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        async for _ in client.stub.Generate(req, timeout=0.15):
+                            pass
+                    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                    return
+                call = client.stub.Generate(req, timeout=60)
+                if i % 3 == 1:
+                    await asyncio.sleep(0.01 * (i % 5))          # hang up early, maybe before any token
+                else:
+                    await call.read()                            # hang up after the first token
+                call.cancel()
+            for start_at in range(0, 100, 20):                    # 5 waves of 20 at once
+                await asyncio.gather(*(doomed(i) for i in range(start_at, start_at + 20)))
+            await wait_until_empty(addrs, coord)
+            for method in ("specpipe", "pp", "cb-pp"):
+                sched = coord.engine.scheduler(method)
+                assert not sched.requests and not sched._batches
+            assert not coord.engine.spec.draft.runner.cache.requests
+            assert not coord.engine.admission.active and not coord.engine.admission.queue
+            assert rss_mb() < baseline + 150, "memory is back near its baseline"
+        finally:
+            await client.channel.close()
+            await server.stop(0)
+            await coord.close()

@@ -188,3 +188,37 @@ def test_a_wrong_verifier_is_caught_end_to_end(small_vocab, monkeypatch):
     s = Sampling(1.0)
     probs = exact_first_two(small_vocab[0], [1, 5, 2], s)
     assert chi_square_p(first_two_counts("specpipe", small_vocab, s, 1500), probs) < ALPHA
+
+
+# -- properties of the verifier (hypothesis) --------------------------------------------------------
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@st.composite
+def verifier_case(draw):
+    vocab = draw(st.integers(2, 12))
+    def dist(allow_zero: bool):
+        w = draw(st.lists(st.floats(0.0 if allow_zero else 0.01, 1.0), min_size=vocab, max_size=vocab))
+        t = torch.tensor(w, dtype=torch.float64)
+        if float(t.sum()) <= 0:
+            t[0] = 1.0
+        return torch.log(t / t.sum())
+    p, q = dist(True), (dist(True) if draw(st.booleans()) else None)
+    k = draw(st.integers(0, vocab))
+    children = draw(st.permutations(range(vocab)))[:k]
+    u = draw(st.lists(st.floats(0.0, 0.999999), min_size=k + 1, max_size=k + 1))
+    return p, q, children, u
+
+
+@settings(max_examples=300, deadline=None)
+@given(verifier_case())
+def test_verifier_commits_a_token_the_target_can_produce(case):
+    p, q, children, u = case
+    j, token = verify_children(p, q, children, u)
+    assert 0 <= token < p.shape[0] and p[token] > float("-inf"), "never a token outside the target's support"
+    if j is not None:
+        assert children[j] == token and (q is None or q[token] > float("-inf"))
+    else:
+        verified = children if q is None else \
+            children[:next((i for i, c in enumerate(children) if q[c] == float("-inf")), len(children))]
+        assert token not in verified, "a rejected child keeps no mass in the residual"
