@@ -84,11 +84,11 @@ class Repartitioner:
             if force and self.coordinator.engine.failure is not None:
                 self.current = -1
             while self._target is not None and self._target != self.current:
-                target = self._target
-                await self._repartition(target)
+                if not await self._repartition(self._target):
+                    break                       # failed: the next scale() (a watch event) tries again
             self._target = None
 
-    async def _repartition(self, n: int) -> None:
+    async def _repartition(self, n: int) -> bool:
         c, engine = self.coordinator, self.coordinator.engine
         started = time.perf_counter()
         log.info("re-partition: holding new requests, draining", stages_from=self.current, stages_to=n,
@@ -104,7 +104,7 @@ class Repartitioner:
                                         "was scaled to 0 replicas; scale it up to serve again")
             REPARTITIONS.labels("scaled_to_zero").inc()
             log.warning("re-partition: no stages, answering UNAVAILABLE")
-            return
+            return True
         try:
             plans = plan([self.address_of(i) for i in range(n)], c.num_layers)
             await asyncio.gather(*(configure(p) for p in plans))
@@ -114,10 +114,11 @@ class Repartitioner:
             await engine.swap_transport(None, None, why=f"re-partition to {n} stages failed: {e}")
             REPARTITIONS.labels("failed").inc()
             log.error("re-partition failed", stages=n, error=str(e))
-            return
+            return False
         c.pipeline = pipeline
         self.current = n
         await engine.swap_transport(pipeline, c.kv_slots(pipeline))
         REPARTITIONS.labels("ok").inc()
         log.info("re-partitioned", stages=n, layers=[(p.first_layer, p.last_layer) for p in plans],
                  seconds=round(time.perf_counter() - started, 2))
+        return True

@@ -141,15 +141,18 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self._subscriber = queue
         await context.send_initial_metadata(())    # tells the subscriber it is registered
         self.log.info("results subscriber connected", peer=context.peer())
+        how = "cancelled"
         try:
             while True:
                 msg = await queue.get()
                 if msg is _END:
+                    how = "replaced or stopped"
                     return
                 yield msg
         finally:
             if self._subscriber is queue:
                 self._subscriber = None
+            self.log.info("results subscriber left", peer=context.peer(), how=how)
 
     # -- control plane ------------------------------------------------------------------------------
     async def Control(self, request_iterator, context):
@@ -178,9 +181,10 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         async with self._busy:
             async with self._state:
                 if self.runner.cache.requests:
+                    held = sorted(self.runner.cache.requests)
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                        f"{len(self.runner.cache.requests)} request(s) still hold KV on stage "
-                                        f"{self.config.stage}; drain before re-partitioning")
+                                        f"{len(held)} request(s) still hold KV on stage {self.config.stage} "
+                                        f"({', '.join(held[:3])}); drain before re-partitioning")
             try:
                 await asyncio.wait_for(self._outbox.join(), timeout=30)
             except asyncio.TimeoutError:

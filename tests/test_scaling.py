@@ -156,3 +156,30 @@ async def test_repartition_with_stage_processes(tiny_model8, tiny_hf8):
             await coord.close()
     finally:
         stages.stop()
+
+
+async def test_a_failed_repartition_answers_unavailable_and_can_be_retried(tiny_model8, tiny_hf8):
+    """A stage that cannot be reached: the re-partition fails once (no retry loop), requests get
+    UNAVAILABLE with the reason, and a later scale to reachable stages serves again."""
+    async with stage_servers(str(tiny_model8), 2) as (addrs, _):
+        server, coord = await start(CoordinatorConfig(stages=tuple(addrs), model=str(tiny_model8), port=0,
+                                                      max_new_tokens_cap=64, default_max_new_tokens=16))
+        try:
+            from coordinator.local import free_port
+            targets = {0: addrs[0], 1: addrs[1], 2: f"127.0.0.1:{free_port()}"}     # nothing listens there
+            rep = Repartitioner(coord, lambda i: targets[i])
+            import coordinator.scaling as scaling
+            real = scaling.configure
+            scaling.configure = lambda p, timeout_s=2.0, attempts=1: real(p, timeout_s, attempts)
+            try:
+                await asyncio.wait_for(rep.scale(3), timeout=30)
+            finally:
+                scaling.configure = real
+            with pytest.raises(GenerationFailed, match="re-partition to 3 stages failed") as err:
+                await generate(coord, [1, 2, 3], 4)
+            assert err.value.code == 14
+            await rep.scale(2)
+            assert await generate(coord, [1, 2, 3], 6) == hf_greedy(tiny_hf8, [1, 2, 3], 6)
+        finally:
+            await server.stop(0)
+            await coord.close()

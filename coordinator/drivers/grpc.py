@@ -102,7 +102,10 @@ class GrpcPipeline:
             if call is not None:
                 try:
                     await call.done_writing()
-                except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+                    # the summary comes once the stage has read every message (the releases among them):
+                    # closing the channel before that would drop what is still in transit
+                    await asyncio.wait_for(call, timeout=10)
+                except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, asyncio.TimeoutError):
                     pass
         if self._reader is not None:
             self._reader.cancel()
