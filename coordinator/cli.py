@@ -71,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     _generation_args(p)
     p.add_argument("--addr", default="127.0.0.1:50051", help="coordinator HOST:PORT")
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--tls-ca", default=os.environ.get("SPECPIPE_API_TLS_CA", ""),
+                   help="connect over TLS, trusting this CA bundle (PEM)")
+    p.add_argument("--token", default=os.environ.get("SPECPIPE_API_TOKEN", ""),
+                   help="bearer token of the API (prefer the SPECPIPE_API_TOKEN environment variable)")
     p = sub.add_parser("bench", help="methods side by side over a local pipeline; writes DIR/results.json",
                        epilog="example:\n  specpipe bench --stages 8 --stage-time-ms 120 --methods pp,specpipe "
                               "--widths 1,4,16 --tree-policies layer,best-first --out out/bench",
@@ -232,6 +236,7 @@ async def cmd_generate(args) -> int:
     import grpc
 
     from protos import generation_pb2, generation_pb2_grpc
+    from services.tls import TLSFiles, open_channel
 
     req = generation_pb2.GenerateRequest(prompt=args.prompt, raw=args.raw, method=args.method,
                                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -240,10 +245,11 @@ async def cmd_generate(args) -> int:
         req.max_new_tokens = args.max_new_tokens
     started = time.perf_counter()
     ids, text, last = [], [], None
-    async with grpc.aio.insecure_channel(args.addr) as channel:
+    metadata = (("authorization", f"Bearer {args.token}"),) if args.token else None
+    async with open_channel(args.addr, TLSFiles(ca=args.tls_ca) if args.tls_ca else None) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
-            async for msg in stub.Generate(req, timeout=args.timeout):
+            async for msg in stub.Generate(req, timeout=args.timeout, metadata=metadata):
                 ids.extend(msg.token_ids)
                 text.append(msg.text)
                 if not args.json and msg.text:

@@ -5,6 +5,9 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from services.config import add_tls_arguments
+from services.tls import TLSFiles
+
 from coordinator.schedulers.registry import SpecOptions
 
 _SPEC = SpecOptions()      # speculation defaults live in one place
@@ -42,6 +45,12 @@ class CoordinatorConfig:
     stage_template: str = ""             # '{i}' address template (DNS discovery); needed to scale
     k8s_statefulset: str = ""            # watch this StatefulSet and follow its replica count
     k8s_namespace: str = ""              # its namespace (default: the pod's own)
+    tls_cert: str = ""                   # client certificate towards the stages (mutual TLS)
+    tls_key: str = ""
+    tls_ca: str = ""                     # CA the stages' certificates chain to
+    api_tls_cert: str = ""               # TLS of the public API (plaintext without)
+    api_tls_key: str = ""
+    api_token: str = ""                  # bearer token the public API requires (none: open)
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -56,6 +65,8 @@ class CoordinatorConfig:
                              "node_budget and max_active must be at least 1")
         if self.k8s_statefulset and "{i}" not in self.stage_template:
             raise ValueError("--k8s-statefulset needs --stages as a '{i}' template (the stages' DNS names)")
+        TLSFiles(self.tls_cert, self.tls_key, self.tls_ca)
+        TLSFiles(self.api_tls_cert, self.api_tls_key)
         if self.max_queue < 0:
             raise ValueError("max_queue must be 0 or more")
         if not 0.0 <= self.pipeinfer_min_prob < 1.0:
@@ -66,6 +77,10 @@ class CoordinatorConfig:
             raise ValueError(f"unknown tree policy {self.tree_policy!r}; choose layer, best-first or hybrid")
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_cap:
             raise ValueError("default_max_new_tokens must be in [1, max_new_tokens_cap]")
+
+    @property
+    def tls(self) -> TLSFiles:
+        return TLSFiles(self.tls_cert, self.tls_key, self.tls_ca)
 
     @classmethod
     def add_arguments(cls, p: argparse.ArgumentParser) -> None:
@@ -80,6 +95,13 @@ class CoordinatorConfig:
                             "(needs a '{i}' template in --stages)")
         p.add_argument("--k8s-namespace", default=os.environ.get("POD_NAMESPACE", ""),
                        help="namespace of --k8s-statefulset (default: this pod's)")
+        add_tls_arguments(p)
+        p.add_argument("--api-tls-cert", default=os.environ.get("SPECPIPE_API_TLS_CERT", ""),
+                       help="certificate (PEM) of the public API; with --api-tls-key serves it over TLS")
+        p.add_argument("--api-tls-key", default=os.environ.get("SPECPIPE_API_TLS_KEY", ""))
+        p.add_argument("--api-token", default=os.environ.get("SPECPIPE_API_TOKEN", ""),
+                       help="require 'authorization: Bearer TOKEN' on the public API (health checks exempt); "
+                            "prefer the SPECPIPE_API_TOKEN environment variable")
         p.add_argument("--metrics-port", type=int, default=int(os.environ.get("SPECPIPE_METRICS_PORT", "0")),
                        help="serve Prometheus metrics on this port (0 = off)")
         p.add_argument("--model", default=os.environ.get("SPECPIPE_MODEL", cls.model))
@@ -100,7 +122,8 @@ class CoordinatorConfig:
     def from_args(cls, a: argparse.Namespace) -> "CoordinatorConfig":
         return cls(stages=stage_addresses(a.stages, a.num_stages), metrics_port=a.metrics_port,
                    stage_template=a.stages if "{i}" in a.stages else "", k8s_statefulset=a.k8s_statefulset,
-                   k8s_namespace=a.k8s_namespace, model=a.model, host=a.host, port=a.port, method=a.method,
+                   k8s_namespace=a.k8s_namespace, tls_cert=a.tls_cert, tls_key=a.tls_key, tls_ca=a.tls_ca,
+                   api_tls_cert=a.api_tls_cert, api_tls_key=a.api_tls_key, api_token=a.api_token, model=a.model, host=a.host, port=a.port, method=a.method,
                    default_max_new_tokens=a.default_max_new_tokens, max_new_tokens_cap=a.max_new_tokens_cap,
                    grace_s=a.grace_s, max_active=a.max_active, max_queue=a.max_queue, **spec_kwargs(a))
 

@@ -24,6 +24,7 @@ from prometheus_client import Counter
 from protos import stage_pb2, stage_pb2_grpc
 from services.logs import get_logger
 from services.model.shard import even_split
+from services.tls import TLSFiles, open_channel
 
 log = get_logger(__name__)
 REPARTITIONS = Counter("specpipe_repartitions_total", "Pipeline re-partitions by outcome", ["outcome"])
@@ -47,10 +48,11 @@ def plan(addresses: list[str], num_layers: int) -> list[StagePlan]:
             for i, (a, (f, l)) in enumerate(zip(addresses, ranges))]
 
 
-async def configure(p: StagePlan, timeout_s: float = 600.0, attempts: int = 20) -> stage_pb2.StageInfo:
+async def configure(p: StagePlan, timeout_s: float = 600.0, attempts: int = 20,
+                    tls: TLSFiles | None = None) -> stage_pb2.StageInfo:
     """Configure one stage; retries while it still releases the KV of drained requests (the control stream
     may deliver the releases a moment after the data plane went quiet)."""
-    async with grpc.aio.insecure_channel(p.address) as channel:
+    async with open_channel(p.address, tls) as channel:
         stub = stage_pb2_grpc.StageStub(channel)
         req = stage_pb2.ConfigureRequest(stage=p.stage, num_stages=p.num_stages, first_layer=p.first_layer,
                                          last_layer=p.last_layer, next_hop=p.next_hop)
@@ -107,7 +109,7 @@ class Repartitioner:
             return True
         try:
             plans = plan([self.address_of(i) for i in range(n)], c.num_layers)
-            await asyncio.gather(*(configure(p) for p in plans))
+            await asyncio.gather(*(configure(p, tls=c.config.tls) for p in plans))
             pipeline = await c.open_pipeline([p.address for p in plans])
         except Exception as e:
             self.current = -1                       # unknown: the next scale() tries again

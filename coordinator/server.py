@@ -9,6 +9,7 @@ from protos import generation_pb2, generation_pb2_grpc
 from services.config import MiB
 from services.grpc_server import Server
 from services.logs import configure, get_logger
+from services.tls import BearerTokenInterceptor, TLSFiles
 
 from coordinator.api import GenerationServicer
 from coordinator.config import CoordinatorConfig
@@ -19,9 +20,10 @@ SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_nam
 
 async def start(config: CoordinatorConfig) -> tuple[Server, Coordinator]:
     coordinator = await Coordinator.connect(config)
-    server = Server([SERVICE_NAME], config.max_message_mb * MiB)
+    interceptors = [BearerTokenInterceptor(config.api_token)] if config.api_token else []
+    server = Server([SERVICE_NAME], config.max_message_mb * MiB, interceptors)
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(coordinator), server.server)
-    server.bind(config.host, config.port)
+    server.bind(config.host, config.port, TLSFiles(config.api_tls_cert, config.api_tls_key).server_credentials())
     await server.start()
     return server, coordinator
 

@@ -163,7 +163,7 @@ class Coordinator:
 
 
 async def _open(config: CoordinatorConfig, addresses: list[str]) -> GrpcPipeline:
-    pipeline = GrpcPipeline(addresses, config.max_message_mb * 1024 * 1024, config.connect_timeout_s)
+    pipeline = GrpcPipeline(addresses, config.max_message_mb * 1024 * 1024, config.connect_timeout_s, config.tls)
     await pipeline.start()
     return pipeline
 

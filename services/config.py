@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.tls import TLSFiles
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 MiB = 1024 * 1024
@@ -58,6 +60,9 @@ class StageConfig:
     grace_s: float = 10.0               # drain time on SIGTERM
     max_message_mb: int = 256           # gRPC send/receive limit
     kv_limit_mb: float = 0.0            # K/V memory of all requests together; 0 = no limit
+    tls_cert: str = ""                  # PEM certificate of this stage (server and, to the next hop, client)
+    tls_key: str = ""
+    tls_ca: str = ""                    # CA that peers' certificates must chain to (mutual TLS)
 
     def __post_init__(self) -> None:
         if self.num_stages < 1:
@@ -70,6 +75,7 @@ class StageConfig:
             raise ValueError("threads must be at least 1")
         if self.kv_limit_mb < 0:
             raise ValueError("kv_limit_mb must be 0 (no limit) or more")
+        TLSFiles(self.tls_cert, self.tls_key, self.tls_ca)      # raises for a missing file or a lone cert
         parse_dtype(self.dtype)
         parse_stage_time(self.stage_time_ms)
         check_device(self.device)
@@ -77,6 +83,10 @@ class StageConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype)
+
+    @property
+    def tls(self) -> TLSFiles:
+        return TLSFiles(self.tls_cert, self.tls_key, self.tls_ca)
 
     @property
     def stage_time(self) -> tuple[float, float]:
@@ -109,6 +119,7 @@ class StageConfig:
                        help="K/V cache memory for all requests together (0 = no limit); a request that "
                             "would pass it fails with RESOURCE_EXHAUSTED, and the coordinator admits "
                             "requests only while their reserved KV fits")
+        add_tls_arguments(p)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "StageConfig":
@@ -128,13 +139,23 @@ class StageConfig:
         return cls(model=args.model, stage=stage, num_stages=num_stages, first_layer=first,
                    last_layer=last, host=args.host, port=args.port, port_file=args.port_file,
                    next_hop=next_hop, dtype=args.dtype, device=args.device, threads=args.threads,
-                   stage_time_ms=args.stage_time_ms, grace_s=args.grace_s, kv_limit_mb=args.kv_limit_mb)
+                   stage_time_ms=args.stage_time_ms, grace_s=args.grace_s, kv_limit_mb=args.kv_limit_mb,
+                   tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
 
     @classmethod
     def from_env(cls) -> "StageConfig":
         p = argparse.ArgumentParser()
         cls.add_arguments(p)
         return cls.from_args(p.parse_args([]))
+
+
+def add_tls_arguments(p: argparse.ArgumentParser) -> None:
+    """Mutual TLS on the internal hops (PEM files; SPECPIPE_TLS_* in the environment)."""
+    p.add_argument("--tls-cert", default=os.environ.get("SPECPIPE_TLS_CERT", ""),
+                   help="this service's certificate (PEM); with --tls-key turns TLS on")
+    p.add_argument("--tls-key", default=os.environ.get("SPECPIPE_TLS_KEY", ""), help="its private key (PEM)")
+    p.add_argument("--tls-ca", default=os.environ.get("SPECPIPE_TLS_CA", ""),
+                   help="CA bundle peers must chain to; a stage then refuses clients without such a certificate")
 
 
 def stage_index(value: str, hostname: str | None = None) -> int:

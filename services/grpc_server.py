@@ -35,8 +35,8 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
 class Server:
     """A grpc.aio server with health (grpc.health.v1) and reflection for the given service names."""
 
-    def __init__(self, service_names: list[str], max_message_bytes: int) -> None:
-        self.server = grpc.aio.server(options=server_options(max_message_bytes))
+    def __init__(self, service_names: list[str], max_message_bytes: int, interceptors=()) -> None:
+        self.server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=list(interceptors))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = service_names
@@ -44,8 +44,11 @@ class Server:
                                             self.server)
         self.port = 0
 
-    def bind(self, host: str, port: int) -> int:
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+    def bind(self, host: str, port: int, credentials: grpc.ServerCredentials | None = None) -> int:
+        """Listen on host:port, with TLS when credentials are given (services/tls.py)."""
+        address = f"{host}:{port}"
+        self.port = self.server.add_secure_port(address, credentials) if credentials is not None \
+            else self.server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot bind {host}:{port}")
         return self.port

@@ -38,12 +38,13 @@ async def serve(config: StageConfig) -> None:
     servicer = StageServicer(runner, config, model_name=Path(model_ref).name, model_ref=model_ref)
     server = Server([SERVICE_NAME], config.max_message_mb * MiB)
     stage_pb2_grpc.add_StageServicer_to_server(servicer, server.server)
-    port = server.bind(config.host, config.port)
+    port = server.bind(config.host, config.port, config.tls.server_credentials())
     servicer.start()
     await server.start()
     log.info("stage serving", stage=config.stage, layers=f"{runner.shard.first}:{runner.shard.last}",
              port=port, next_hop=config.next_hop or "coordinator", dtype=config.dtype, device=config.device,
-             stage_time_ms=config.stage_time_ms)
+             stage_time_ms=config.stage_time_ms, tls="mutual" if config.tls_ca and config.tls_cert else
+             ("on" if config.tls_cert else "off"))
     if config.port_file:
         tmp = f"{config.port_file}.tmp"
         with open(tmp, "w") as f:

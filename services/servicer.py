@@ -20,6 +20,7 @@ from services.grpc_server import channel_options
 from services.logs import get_logger
 from services.nodes import ProtocolError
 from services.runner import BatchError, StageRunner
+from services.tls import open_channel
 from services.wire import batch_from_proto, batch_to_proto, control_from_proto
 
 log = get_logger(__name__)
@@ -127,8 +128,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     def _open_forward(self):
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(
-                self._next_hop, options=channel_options(self.config.max_message_mb * 1024 * 1024))
+            self._channel = open_channel(self._next_hop, self.config.tls,
+                                         channel_options(self.config.max_message_mb * 1024 * 1024))
         return stage_pb2_grpc.StageStub(self._channel).Forward(wait_for_ready=True)
 
     async def Results(self, request, context):

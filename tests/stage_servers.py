@@ -14,7 +14,8 @@ from coordinator.local import LocalStages, free_port
 
 
 @asynccontextmanager
-async def stage_servers(model: str, num_stages: int, stage_time_ms: str = "0", kv_limit_mb: float = 0.0):
+async def stage_servers(model: str, num_stages: int, stage_time_ms: str = "0", kv_limit_mb: float = 0.0,
+                        tls: dict | None = None):
     """Yield (addresses, servicers) of num_stages stages serving `model`, wired into a pipeline."""
     ports = [free_port() for _ in range(num_stages)]
     addresses = [f"127.0.0.1:{p}" for p in ports]
@@ -23,12 +24,12 @@ async def stage_servers(model: str, num_stages: int, stage_time_ms: str = "0", k
         for i, port in enumerate(ports):
             config = StageConfig(model=model, stage=i, num_stages=num_stages, port=port,
                                  next_hop=addresses[i + 1] if i + 1 < num_stages else "",
-                                 stage_time_ms=stage_time_ms, kv_limit_mb=kv_limit_mb)
+                                 stage_time_ms=stage_time_ms, kv_limit_mb=kv_limit_mb, **(tls or {}))
             runner, _ = build_runner(config)
             servicer = StageServicer(runner, config, model_name="test", model_ref=model)
             server = Server([SERVICE_NAME], config.max_message_mb * MiB)
             stage_pb2_grpc.add_StageServicer_to_server(servicer, server.server)
-            server.bind(config.host, port)
+            server.bind(config.host, port, config.tls.server_credentials())
             servicer.start()
             await server.start()
             servers.append(server)

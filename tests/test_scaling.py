@@ -170,7 +170,7 @@ async def test_a_failed_repartition_answers_unavailable_and_can_be_retried(tiny_
             rep = Repartitioner(coord, lambda i: targets[i])
             import coordinator.scaling as scaling
             real = scaling.configure
-            scaling.configure = lambda p, timeout_s=2.0, attempts=1: real(p, timeout_s, attempts)
+            scaling.configure = lambda p, timeout_s=2.0, attempts=1, tls=None: real(p, timeout_s, attempts, tls)
             try:
                 await asyncio.wait_for(rep.scale(3), timeout=30)
             finally:

@@ -15,6 +15,7 @@ from protos import stage_pb2, stage_pb2_grpc
 from services.batch import Control, MicroBatch
 from services.grpc_server import channel_options
 from services.logs import get_logger
+from services.tls import TLSFiles, open_channel
 from services.wire import batch_from_proto, batch_to_proto, control_to_proto
 
 log = get_logger(__name__)
@@ -26,12 +27,13 @@ class PipelineError(RuntimeError):
 
 class GrpcPipeline:
     def __init__(self, addresses: list[str], max_message_bytes: int = 256 * 1024 * 1024,
-                 connect_timeout_s: float = 120.0) -> None:
+                 connect_timeout_s: float = 120.0, tls: TLSFiles | None = None) -> None:
         if not addresses:
             raise ValueError("a pipeline needs at least one stage address")
         self.addresses = addresses
         self.max_message_bytes = max_message_bytes
         self.connect_timeout_s = connect_timeout_s
+        self.tls = tls
         self.infos: list[stage_pb2.StageInfo] = []
         self._channels: list[grpc.aio.Channel] = []
         self._stubs: list[stage_pb2_grpc.StageStub] = []
@@ -47,7 +49,7 @@ class GrpcPipeline:
 
     async def start(self) -> None:
         opts = channel_options(self.max_message_bytes)
-        self._channels = [grpc.aio.insecure_channel(a, options=opts) for a in self.addresses]
+        self._channels = [open_channel(a, self.tls, opts) for a in self.addresses]
         self._stubs = [stage_pb2_grpc.StageStub(c) for c in self._channels]
         try:
             self.infos = list(await asyncio.gather(*(
