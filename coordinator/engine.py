@@ -163,6 +163,8 @@ class Engine:
             if not runs_now:
                 self._waiting[rid] = asyncio.get_running_loop().create_future()
                 await self._waiting[rid]
+                # a re-partition may have happened meanwhile: take the scheduler of the current pipeline
+                sched = live.scheduler = self.scheduler(method or self.default_method, spec)
             added = True
             await self._call(sched, sched.add, Request(rid, list(prompt_ids), max_new_tokens, eos_ids, sampling))
         except BaseException as e:
