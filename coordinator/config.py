@@ -9,6 +9,7 @@ from services.config import add_tls_arguments
 from services.tls import TLSFiles
 
 from coordinator.schedulers.registry import SpecOptions
+from coordinator.verify import VERIFIERS
 
 _SPEC = SpecOptions()      # speculation defaults live in one place
 
@@ -71,8 +72,8 @@ class CoordinatorConfig:
             raise ValueError("max_queue must be 0 or more")
         if not 0.0 <= self.pipeinfer_min_prob < 1.0:
             raise ValueError("pipeinfer_min_prob must be in [0, 1)")
-        if self.verify not in ("match", "rejection"):
-            raise ValueError(f"unknown verifier {self.verify!r}; choose match or rejection")
+        if self.verify not in VERIFIERS:
+            raise ValueError(f"unknown verifier {self.verify!r}; choose from {', '.join(VERIFIERS)}")
         if self.tree_policy not in ("layer", "best-first", "hybrid"):
             raise ValueError(f"unknown tree policy {self.tree_policy!r}; choose layer, best-first or hybrid")
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_cap:
@@ -168,7 +169,7 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeinfer-run", type=int, default=d.pipeinfer_run, help="pipeinfer: draft tokens per run")
     p.add_argument("--pipeinfer-min-prob", type=float, default=d.pipeinfer_min_prob,
                    help="pipeinfer: end a run where the draft's probability falls below this")
-    p.add_argument("--verify", default=os.environ.get("SPECPIPE_VERIFY", d.verify), choices=["match", "rejection"],
+    p.add_argument("--verify", default=os.environ.get("SPECPIPE_VERIFY", d.verify), choices=VERIFIERS,
                    help="sampling verification: match (the target's seeded sample decides; reproducible, "
                         "ships one token per row) or rejection (speculative sampling; ships distributions)")
     p.add_argument("--node-budget", type=int, default=int(os.environ.get("SPECPIPE_NODE_BUDGET", d.node_budget)),

@@ -52,18 +52,19 @@ async def configure(p: StagePlan, timeout_s: float = 600.0, attempts: int = 20,
                     tls: TLSFiles | None = None) -> stage_pb2.StageInfo:
     """Configure one stage; retries while it still releases the KV of drained requests (the control stream
     may deliver the releases a moment after the data plane went quiet)."""
+    if attempts < 1:
+        raise ValueError("attempts must be at least 1")
     async with open_channel(p.address, tls) as channel:
         stub = stage_pb2_grpc.StageStub(channel)
         req = stage_pb2.ConfigureRequest(stage=p.stage, num_stages=p.num_stages, first_layer=p.first_layer,
                                          last_layer=p.last_layer, next_hop=p.next_hop)
-        for attempt in range(attempts):
+        for attempt in range(1, attempts + 1):
             try:
                 return await stub.Configure(req, timeout=timeout_s, wait_for_ready=True)
             except grpc.aio.AioRpcError as e:
-                if e.code() != grpc.StatusCode.FAILED_PRECONDITION or attempt == attempts - 1:
+                if e.code() != grpc.StatusCode.FAILED_PRECONDITION or attempt >= attempts:
                     raise
                 await asyncio.sleep(0.1)
-    raise AssertionError("unreachable")
 
 
 class Repartitioner:

@@ -18,6 +18,7 @@ from services.codec import CodecError
 from services.config import StageConfig
 from services.grpc_server import channel_options
 from services.logs import get_logger
+from services.model.shard import load_shard
 from services.nodes import ProtocolError
 from services.runner import BatchError, StageRunner
 from services.tls import open_channel
@@ -192,7 +193,6 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "outputs still queued for the next hop")
             started = time.perf_counter()
             if (first, last) != (shard.first, shard.last):
-                from services.model.shard import load_shard
                 new = await asyncio.to_thread(load_shard, self.model_ref, first, last, shard.dtype, shard.device)
                 runner = StageRunner(new, stage, kv_limit_bytes=self.runner.cache.limit_bytes)
             else:

@@ -13,8 +13,8 @@ Commits and prunes are broadcast to every stage (which drop pruned rows they hav
 
 With several requests (SpecPipe-DB) every micro-batch carries the next rows of all ready requests under
 a shared node budget (coordinator/schedulers/batching.py): each request's width is
-min(width, node_budget // requests wanting rows), so trees narrow as load grows, and the draft expands
-the nodes of all requests in one batched call.
+min(width, node_budget // requests held), so trees narrow as load grows, and the draft expands the nodes
+of all requests in one batched call.
 
 Greedy and lossless: every committed token is the target's argmax after the committed prefix.
 """

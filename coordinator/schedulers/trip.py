@@ -40,10 +40,7 @@ class TripScheduler(SpecPipeScheduler):
     def _dispatch(self) -> None:
         for rid in list(self.prefill_next):
             state = self.requests[rid]
-            del self.prefill_next[rid]
-            n = len(state.request.prompt_ids)
-            self._inject([Segment(rid, list(state.committed), [-1] + state.committed[:-1], list(range(n)),
-                                  list(state.request.prompt_ids), [False] * (n - 1) + [True])])
+            self._inject([self._prefill_chunk(state, len(state.request.prompt_ids))])    # the whole prompt
         for state in list(self.requests.values()):
             self._fill(state)
 
