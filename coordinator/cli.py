@@ -1,4 +1,8 @@
-"""The `specpipe` command line: run, local, generate, stage, coordinator."""
+"""The `specpipe` command line: run, local, generate, bench, stage, coordinator.
+
+Errors reach the user as one line, `specpipe: error: ...`, exit code 1 (Ctrl-C: 130); SPECPIPE_DEBUG=1 shows
+the traceback instead.
+"""
 from __future__ import annotations
 
 import argparse
@@ -8,8 +12,8 @@ import os
 import signal
 import sys
 import time
+from typing import NoReturn
 
-from coordinator.config import add_spec_arguments, spec_kwargs
 from services.logs import configure
 
 EXAMPLES = """examples:
@@ -19,6 +23,46 @@ EXAMPLES = """examples:
   specpipe local --stages 4 --port 50051          # then, in another shell:
   specpipe generate "Hello!" --addr 127.0.0.1:50051
 """
+BENCH_EXAMPLES = """examples:
+  specpipe bench --stages 8 --stage-time-ms 120 --methods pp,specpipe --widths 1,4,16 \\
+      --tree-policies layer,best-first --out out/bench
+  specpipe bench --simulate --stages 4,8,16,32 --stage-time-ms 120 --out out/sim
+  specpipe bench --concurrency 1,4,8,16 --methods cb-pp,specpipe --stages 4 --out out/load
+"""
+LOCAL_EXAMPLES = """examples:
+  specpipe local --stages 4 --port 50051                      # serve until Ctrl-C
+  specpipe local --stages 2 --method pp --max-active 8 --kv-limit-mb 512
+  specpipe local --stages 4 --metrics-port 9160    # metrics: coordinator :9160, stages :9161-9164
+  specpipe local --model ~/models/Qwen2.5-0.5B-Instruct --stages 4 --device cuda --dtype bfloat16
+then, in another shell:
+  specpipe generate "Name three rivers." --addr 127.0.0.1:50051
+"""
+GENERATE_EXAMPLES = """examples:
+  specpipe generate "Name three rivers." --addr 127.0.0.1:50051
+  specpipe generate "def fib(n):" --raw --max-new-tokens 32 --method sps --json
+  specpipe generate "Tell a story." --temperature 0.8 --top-p 0.95 --seed 7 --stop "The end"
+  SPECPIPE_API_TOKEN=... specpipe generate "Hi" --addr api.example.com:443 --tls-ca ca.crt
+
+The text streams to stdout; one summary line goes to stderr at the end:
+  [32 tokens (length), 1.94 tokens/step, 21.3 ms between tokens, first token after 140 ms, 0.82 s]
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (`specpipe: error: ...`, exit code 1) instead of usage + message, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(1, f"specpipe: error: {message} (see `{self.prog} --help`)\n")
+
+
+def add_spec_arguments(p: argparse.ArgumentParser) -> None:
+    from coordinator.config import add_spec_arguments as add      # imports torch: only where needed
+    add(p)
+
+
+def spec_kwargs(args: argparse.Namespace) -> dict:
+    from coordinator.config import spec_kwargs as kwargs
+    return kwargs(args)
 
 
 def _generation_args(p: argparse.ArgumentParser) -> None:
@@ -48,16 +92,20 @@ def _pipeline_args(p: argparse.ArgumentParser) -> None:
     add_spec_arguments(p)
 
 
+def _top_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
+    parser = _Parser(prog="specpipe", description="Pipeline-parallel LLM serving with speculative decoding.",
+                     epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return parser, parser.add_subparsers(dest="command", required=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specpipe", description="Pipeline-parallel LLM serving with "
-                                     "speculative decoding.", epilog=EXAMPLES,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser, sub = _top_parser()
     p = sub.add_parser("run", help="start a local pipeline, generate once, stop", epilog=EXAMPLES,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     _generation_args(p)
     _pipeline_args(p)
-    p = sub.add_parser("local", help="serve a local pipeline (stages + coordinator) until Ctrl-C")
+    p = sub.add_parser("local", help="serve a local pipeline (stages + coordinator) until Ctrl-C",
+                       epilog=LOCAL_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     _pipeline_args(p)
     p.add_argument("--port", type=int, default=50051, help="coordinator port")
     p.add_argument("--host", default="127.0.0.1")
@@ -67,52 +115,97 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests waiting for admission; more are refused with RESOURCE_EXHAUSTED")
     p.add_argument("--kv-limit-mb", type=float, default=0.0,
                    help="K/V memory limit of every stage for all requests together (0 = none)")
-    p = sub.add_parser("generate", help="stream a generation from a running coordinator")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="port of the OpenAI-compatible HTTP API (/v1/chat/completions, ...; 0 = off)")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="Prometheus metrics: the coordinator on this port, stage i on this port + 1 + i (0 = off)")
+    _add_generate(sub)
+    p = sub.add_parser("bench", help="methods side by side over a local pipeline; writes DIR/results.json",
+                       epilog=BENCH_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from coordinator.bench import main_args
+    main_args(p)
+    sub.add_parser("stage", help="serve one pipeline stage (container entrypoint; see `specpipe stage --help`)",
+                   add_help=False)
+    sub.add_parser("coordinator", help="serve the public API over stages (container entrypoint; see "
+                   "`specpipe coordinator --help`)", add_help=False)
+    return parser
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="stream a generation from a running coordinator",
+                       epilog=GENERATE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     _generation_args(p)
     p.add_argument("--addr", default="127.0.0.1:50051", help="coordinator HOST:PORT")
-    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before the call is given up")
     p.add_argument("--tls-ca", default=os.environ.get("SPECPIPE_API_TLS_CA", ""),
                    help="connect over TLS, trusting this CA bundle (PEM)")
     p.add_argument("--token", default=os.environ.get("SPECPIPE_API_TOKEN", ""),
                    help="bearer token of the API (prefer the SPECPIPE_API_TOKEN environment variable)")
-    p = sub.add_parser("bench", help="methods side by side over a local pipeline; writes DIR/results.json",
-                       epilog="example:\n  specpipe bench --stages 8 --stage-time-ms 120 --methods pp,specpipe "
-                              "--widths 1,4,16 --tree-policies layer,best-first --out out/bench",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    from coordinator.bench import main_args
-    main_args(p)
-    sub.add_parser("stage", help="serve one pipeline stage (container entrypoint)", add_help=False)
-    sub.add_parser("coordinator", help="serve the public API over stages (container entrypoint)",
-                   add_help=False)
+
+
+def _generate_parser() -> argparse.ArgumentParser:
+    """`specpipe generate` alone: it needs neither torch nor the pipeline options, so it starts fast."""
+    parser, sub = _top_parser()
+    _add_generate(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "stage":
-        from services.server import main as stage_main
-        return stage_main(argv[1:])
-    if argv and argv[0] == "coordinator":
-        from coordinator.server import main as coordinator_main
-        return coordinator_main(argv[1:])
-    args = build_parser().parse_args(argv)
-    # one-shot commands keep the terminal for the text; `local` shows its service logs
-    configure(level=None if args.command == "local" or os.environ.get("SPECPIPE_LOG_LEVEL") else "warning")
     try:
-        if args.command == "run":
-            return asyncio.run(cmd_run(args))
-        if args.command == "local":
-            return asyncio.run(cmd_local(args))
-        if args.command == "generate":
-            return asyncio.run(cmd_generate(args))
-        if args.command == "bench":
-            return asyncio.run(cmd_bench(args))
+        return _dispatch(argv)
     except KeyboardInterrupt:
         return 130
     except Exception as e:   # one clear line, not a traceback
-        print(f"specpipe: error: {e}", file=sys.stderr)
+        if os.environ.get("SPECPIPE_DEBUG"):
+            raise
+        print(f"specpipe: error: {error_message(e)}", file=sys.stderr, flush=True)
         return 1
-    return 2
+
+
+def _dispatch(argv: list[str]) -> int:
+    command = argv[0] if argv else ""
+    if command == "generate":
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")    # no gRPC core INFO lines (TLS handshakes) on stderr
+    if command == "stage":
+        from services.server import main as stage_main
+        return stage_main(argv[1:])
+    if command == "coordinator":
+        from coordinator.server import main as coordinator_main
+        return coordinator_main(argv[1:])
+    args = (_generate_parser() if command == "generate" else build_parser()).parse_args(argv)
+    # one-shot commands keep the terminal for the text; `local` shows its service logs
+    configure(level=None if args.command == "local" or os.environ.get("SPECPIPE_LOG_LEVEL") else "warning")
+    if args.command == "generate":
+        return cmd_generate(args)
+    commands = {"run": cmd_run, "local": cmd_local, "bench": cmd_bench}
+    return asyncio.run(commands[args.command](args))
+
+
+def error_message(e: BaseException) -> str:
+    """What the user reads after `specpipe: error: `: the server's details for a failed call, the message
+    otherwise (a multi-line message, say a stage's log tail, keeps its further lines below)."""
+    import grpc
+
+    from coordinator.client import SpecPipeError
+
+    if isinstance(e, SpecPipeError):
+        if e.refused:
+            return f"cannot reach the coordinator at {e.addr} (is `specpipe local` running?)"
+        if e.unreachable:
+            hint = (" (a TLS server? then give --tls-ca)" if "Socket closed" in e.message else
+                    " (a plaintext server? then drop --tls-ca)" if "WRONG_VERSION_NUMBER" in e.message else
+                    " (check --tls-ca and the server's certificate)" if "andshake" in e.message else "")
+            return f"cannot reach the coordinator at {e.addr}: {e.message}{hint}"
+        if e.code == "DEADLINE_EXCEEDED":
+            return f"{e.addr} did not finish within the timeout (--timeout)"
+        return f"{e.message} ({e.code})"
+    if isinstance(e, grpc.RpcError) and hasattr(e, "details"):
+        return f"{e.details()} ({e.code().name})"
+    text = str(e).strip()
+    if not text:
+        return type(e).__name__
+    return text if isinstance(e, (ValueError, RuntimeError, OSError)) else f"{type(e).__name__}: {text}"
 
 
 def _input(args):
@@ -124,16 +217,23 @@ def _input(args):
 
 async def _start_local(args):
     from coordinator.local import LocalStages
-    from services.model.loader import resolve_model, stderr_log
+    from coordinator.progress import resolve_with_progress
 
-    model = await asyncio.to_thread(resolve_model, args.model, stderr_log)
+    model = await asyncio.to_thread(resolve_with_progress, args.model)
     stages = LocalStages(args.stages, model=model, dtype=args.dtype, device=args.device,
                          threads=args.threads, stage_time_ms=args.stage_time_ms,
-                         kv_limit_mb=getattr(args, "kv_limit_mb", 0.0))
+                         kv_limit_mb=getattr(args, "kv_limit_mb", 0.0),
+                         metrics_port=getattr(args, "metrics_port", 0))
     stages.start()
     print(f"specpipe: starting {args.stages} stage process(es) (logs in {stages.log_dir})", file=sys.stderr)
+    began, ready = time.monotonic(), []
+
+    def on_ready(i: int) -> None:
+        ready.append(i)
+        print(f"specpipe: stage {i} ready ({len(ready)}/{args.stages}, {time.monotonic() - began:.1f} s)",
+              file=sys.stderr, flush=True)
     try:
-        await stages.wait_ready()
+        await stages.wait_ready(on_ready=on_ready)
     except BaseException:
         stages.stop()
         raise
@@ -170,7 +270,9 @@ async def cmd_run(args) -> int:
             print(json.dumps(result))
         else:
             print()
-            _summary(len(ids), stats, wall)
+            print(summary_line(len(ids), last.finish_reason, stats.get("tokens_per_step", 0.0),
+                               stats.get("tbt_ms", 0.0), stats.get("ttft_ms", 0.0), stats.get("wall_ms", 0.0) / 1e3),
+                  file=sys.stderr, flush=True)
         return 0
     finally:
         if coordinator is not None:
@@ -178,25 +280,37 @@ async def cmd_run(args) -> int:
         stages.stop()
 
 
-def _summary(tokens: int, stats: dict, wall_s: float) -> None:
-    print(f"[{tokens} tokens, {stats.get('tokens_per_step', 0):.2f} tokens/step, time between tokens "
-          f"{stats.get('tbt_ms', 0):.1f} ms, first token {stats.get('ttft_ms', 0):.0f} ms, "
-          f"{wall_s:.2f} s]", file=sys.stderr)
+def summary_line(tokens: int, finish_reason: str, tokens_per_step: float, tbt_ms: float, ttft_ms: float,
+                 wall_s: float) -> str:
+    """The one line `specpipe run` and `specpipe generate` print to stderr after the text (from the final
+    stats: mean time between tokens, time to first token, the server's wall time)."""
+    return (f"[{tokens} tokens ({finish_reason or 'unfinished'}), {tokens_per_step:.2f} tokens/step, "
+            f"{tbt_ms:.1f} ms between tokens, first token after {ttft_ms:.0f} ms, {wall_s:.2f} s]")
 
 
 async def cmd_local(args) -> int:
     from coordinator.config import CoordinatorConfig
-    from coordinator.server import start
+    from coordinator.server import start, start_http
 
     model, stages = await _start_local(args)
-    server = coordinator = None
+    supervisor = asyncio.create_task(stages.supervise())      # a stage process that dies is restarted
+    server = coordinator = http = None
     try:
         config = CoordinatorConfig(stages=tuple(stages.addresses), model=model, host=args.host,
                                    port=args.port, method=args.method, max_active=args.max_active,
                                    max_queue=args.max_queue, **spec_kwargs(args))
         server, coordinator = await start(config)
-        print(f"specpipe: serving {args.stages} stage(s) at {args.host}:{server.port} "
-              f"(specpipe.v1.Generation); Ctrl-C stops", file=sys.stderr, flush=True)
+        if args.metrics_port:
+            from prometheus_client import start_http_server
+            start_http_server(args.metrics_port, addr=args.host)
+            print(f"specpipe: metrics at http://{args.host}:{args.metrics_port}/metrics (stage i: port "
+                  f"{args.metrics_port} + 1 + i)", file=sys.stderr)
+        if args.http_port:
+            http = await start_http(config, coordinator, args.http_port, model_name=os.path.basename(args.model))
+        where = f"{args.host}:{server.port} (specpipe.v1.Generation)"
+        if http is not None:
+            where += f" and http://{args.host}:{http.port}/v1 (OpenAI API, model {http.model!r})"
+        print(f"specpipe: serving {args.stages} stage(s) at {where}; Ctrl-C stops", file=sys.stderr, flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -205,19 +319,22 @@ async def cmd_local(args) -> int:
         print("specpipe: stopping", file=sys.stderr)
         return 0
     finally:
+        if http is not None:
+            await http.stop()
         if server is not None:
             await server.stop(2.0)
         if coordinator is not None:
             await coordinator.close()
+        supervisor.cancel()
         stages.stop()
 
 
 async def cmd_bench(args) -> int:
     from coordinator.bench import config_from_args, log_stderr, run_bench, table
-    from services.model.loader import resolve_model, stderr_log
+    from coordinator.progress import resolve_with_progress
 
     cfg = config_from_args(args)
-    cfg.model = await asyncio.to_thread(resolve_model, cfg.model, stderr_log)
+    cfg.model = await asyncio.to_thread(resolve_with_progress, cfg.model)
     if args.simulate and (cfg.load or cfg.temperature or cfg.verifies):
         raise ValueError("--simulate runs one greedy request at a time; drop --concurrency, --temperature "
                          "and --verifies, or --simulate")
@@ -232,40 +349,36 @@ async def cmd_bench(args) -> int:
     return 0
 
 
-async def cmd_generate(args) -> int:
-    import grpc
+def cmd_generate(args) -> int:
+    """Stream the text to stdout, then one summary line to stderr (or, with --json, one JSON object)."""
+    from coordinator.client import Client
 
-    from protos import generation_pb2, generation_pb2_grpc
-    from services.tls import TLSFiles, open_channel
-
-    req = generation_pb2.GenerateRequest(prompt=args.prompt, raw=args.raw, method=args.method,
-                                         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                         seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
-    if args.max_new_tokens is not None:
-        req.max_new_tokens = args.max_new_tokens
-    started = time.perf_counter()
-    ids, text, last = [], [], None
-    metadata = (("authorization", f"Bearer {args.token}"),) if args.token else None
-    async with open_channel(args.addr, TLSFiles(ca=args.tls_ca) if args.tls_ca else None) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+    options = dict(raw=args.raw, method=args.method, max_new_tokens=args.max_new_tokens,
+                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                   stop=args.stop, ignore_eos=args.ignore_eos)
+    with Client(args.addr, tls_ca=args.tls_ca or None, token=args.token or None, timeout=args.timeout) as client:
+        stream = client.generate(args.prompt, **options)
+        printed = False
         try:
-            async for msg in stub.Generate(req, timeout=args.timeout, metadata=metadata):
-                ids.extend(msg.token_ids)
-                text.append(msg.text)
-                if not args.json and msg.text:
-                    print(msg.text, end="", flush=True)
-                last = msg
-        except grpc.aio.AioRpcError as e:
-            raise RuntimeError(f"{e.code().name}: {e.details()}") from None
-    wall = time.perf_counter() - started
-    s = last.stats
-    stats = {"steps": s.steps, "tokens_per_step": s.tokens_per_step, "tbt_ms": s.tbt_ms, "ttft_ms": s.ttft_ms}
+            for delta in stream:
+                if not args.json:
+                    print(delta, end="", flush=True)
+                    printed = True
+        except BaseException:
+            if printed:
+                print(flush=True)          # the error (or Ctrl-C) starts a line of its own
+            raise
+        done = stream.result
+    s = done.stats
     if args.json:
-        print(json.dumps({"text": "".join(text), "token_ids": ids, "finish_reason": last.finish_reason,
-                          **stats, "wall_s": wall, "counters": dict(s.counters)}))
+        print(json.dumps({"text": done.text, "token_ids": done.token_ids, "finish_reason": done.finish_reason,
+                          "steps": s.steps, "tokens_per_step": s.tokens_per_step, "tbt_ms": s.tbt_ms,
+                          "ttft_ms": s.ttft_ms, "prompt_tokens": s.prompt_tokens, "wall_s": done.wall_s,
+                          "request_id": done.request_id, "counters": s.counters}))
     else:
-        print()
-        _summary(len(ids), stats, wall)
+        print(flush=True)
+        print(summary_line(len(done.token_ids), done.finish_reason, s.tokens_per_step, s.tbt_ms, s.ttft_ms,
+                           s.wall_ms / 1e3), file=sys.stderr, flush=True)
     return 0
 
 

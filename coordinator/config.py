@@ -42,7 +42,11 @@ class CoordinatorConfig:
     grace_s: float = 10.0
     max_message_mb: int = 256
     connect_timeout_s: float = 120.0
+    recovery_timeout_s: float = 120.0    # how long a failed stage may take to come back (0 = fail at once)
+    probe_interval_s: float = 2.0        # stage health checks (0 = off; broken streams are noticed anyway)
+    probe_timeout_s: float = 10.0        # a stage that does not answer a check within this has failed
     metrics_port: int = 0                # Prometheus metrics (0 = off)
+    health_port: int = 0                 # plaintext grpc.health.v1 only, for probes when the API uses TLS
     stage_template: str = ""             # '{i}' address template (DNS discovery); needed to scale
     k8s_statefulset: str = ""            # watch this StatefulSet and follow its replica count
     k8s_namespace: str = ""              # its namespace (default: the pod's own)
@@ -52,6 +56,7 @@ class CoordinatorConfig:
     api_tls_cert: str = ""               # TLS of the public API (plaintext without)
     api_tls_key: str = ""
     api_token: str = ""                  # bearer token the public API requires (none: open)
+    http_port: int = 0                   # OpenAI-compatible HTTP API on host:http_port (0 = off)
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -68,8 +73,12 @@ class CoordinatorConfig:
             raise ValueError("--k8s-statefulset needs --stages as a '{i}' template (the stages' DNS names)")
         TLSFiles(self.tls_cert, self.tls_key, self.tls_ca)
         TLSFiles(self.api_tls_cert, self.api_tls_key)
+        if not 0 <= self.http_port <= 65535:
+            raise ValueError("http_port must be in [0, 65535] (0 = no HTTP API)")
         if self.max_queue < 0:
             raise ValueError("max_queue must be 0 or more")
+        if min(self.recovery_timeout_s, self.probe_interval_s) < 0 or self.probe_timeout_s <= 0:
+            raise ValueError("recovery_timeout_s and probe_interval_s must be 0 or more, probe_timeout_s positive")
         if not 0.0 <= self.pipeinfer_min_prob < 1.0:
             raise ValueError("pipeinfer_min_prob must be in [0, 1)")
         if self.verify not in VERIFIERS:
@@ -103,6 +112,12 @@ class CoordinatorConfig:
         p.add_argument("--api-token", default=os.environ.get("SPECPIPE_API_TOKEN", ""),
                        help="require 'authorization: Bearer TOKEN' on the public API (health checks exempt); "
                             "prefer the SPECPIPE_API_TOKEN environment variable")
+        p.add_argument("--http-port", type=int, default=int(os.environ.get("SPECPIPE_HTTP_PORT", "0")),
+                       help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on "
+                            "this port, same host, TLS and token as the gRPC API (0 = off)")
+        p.add_argument("--health-port", type=int, default=int(os.environ.get("SPECPIPE_HEALTH_PORT", "0")),
+                       help="also serve grpc.health.v1 alone in plaintext on this port (kubelet probes when "
+                            "the API requires TLS; 0 = off)")
         p.add_argument("--metrics-port", type=int, default=int(os.environ.get("SPECPIPE_METRICS_PORT", "0")),
                        help="serve Prometheus metrics on this port (0 = off)")
         p.add_argument("--model", default=os.environ.get("SPECPIPE_MODEL", cls.model))
@@ -118,15 +133,25 @@ class CoordinatorConfig:
         p.add_argument("--default-max-new-tokens", type=int, default=cls.default_max_new_tokens)
         p.add_argument("--max-new-tokens-cap", type=int, default=cls.max_new_tokens_cap)
         p.add_argument("--grace-s", type=float, default=float(os.environ.get("SPECPIPE_GRACE_S", cls.grace_s)))
+        p.add_argument("--recovery-timeout-s", type=float,
+                       default=float(os.environ.get("SPECPIPE_RECOVERY_TIMEOUT_S", cls.recovery_timeout_s)),
+                       help="after a stage failure, wait this long for it (or its replacement) to come back "
+                            "and resume every stream; then end them with UNAVAILABLE (0: at once)")
+        p.add_argument("--probe-interval-s", type=float, default=cls.probe_interval_s,
+                       help="health-check every stage this often (0 = off)")
+        p.add_argument("--probe-timeout-s", type=float, default=cls.probe_timeout_s,
+                       help="a stage that does not answer a health check within this has failed")
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> "CoordinatorConfig":
         return cls(stages=stage_addresses(a.stages, a.num_stages), metrics_port=a.metrics_port,
+                   health_port=a.health_port,
                    stage_template=a.stages if "{i}" in a.stages else "", k8s_statefulset=a.k8s_statefulset,
                    k8s_namespace=a.k8s_namespace, tls_cert=a.tls_cert, tls_key=a.tls_key, tls_ca=a.tls_ca,
-                   api_tls_cert=a.api_tls_cert, api_tls_key=a.api_tls_key, api_token=a.api_token, model=a.model, host=a.host, port=a.port, method=a.method,
+                   api_tls_cert=a.api_tls_cert, api_tls_key=a.api_tls_key, api_token=a.api_token, http_port=a.http_port, model=a.model, host=a.host, port=a.port, method=a.method,
                    default_max_new_tokens=a.default_max_new_tokens, max_new_tokens_cap=a.max_new_tokens_cap,
-                   grace_s=a.grace_s, max_active=a.max_active, max_queue=a.max_queue, **spec_kwargs(a))
+                   grace_s=a.grace_s, recovery_timeout_s=a.recovery_timeout_s, probe_interval_s=a.probe_interval_s,
+                   probe_timeout_s=a.probe_timeout_s, max_active=a.max_active, max_queue=a.max_queue, **spec_kwargs(a))
 
     @classmethod
     def from_env(cls) -> "CoordinatorConfig":

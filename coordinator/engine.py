@@ -3,6 +3,13 @@
 One task executes actions in the order the schedulers produced them (so a node is always injected after
 its parent and after its commit broadcast), one task feeds results back. Each request gets a queue of
 events: ("tokens", [ids]) as tokens commit, then ("finish", Finished).
+
+Stage failure (coordinator/recovery.py drives it): `suspend` retires every scheduler — what they already
+committed still reaches the clients, what they had in flight is dropped — and `restart` runs every request
+again on a new pipeline from its prompt plus the tokens its client already has, under a new wire id
+("<id>.r1", ...) so that stale rows of the old attempt can never mix with the new one. Example: a request
+that streamed 7 of its 20 tokens when stage 2 died is re-prefilled with prompt + those 7 and asked for 13
+more; its client sees a pause, then token 8.
 """
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ import itertools
 import time
 import uuid
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Protocol
 
 from services.batch import Control, MicroBatch
@@ -45,8 +53,15 @@ class _Live:
     scheduler: Scheduler
     events: asyncio.Queue
     submitted: float
+    request: Request                    # as the client asked (its id is the client's)
+    method: str
+    spec: SpecOptions | None
+    wire_id: str                        # the id the current scheduler and the stages know it by
+    started: bool = False               # admitted (not queued)
+    cancel_reason: str = ""
+    attempts: int = 0                   # re-runs after stage failures
+    emitted: list[int] = field(default_factory=list)     # token ids the client has been sent
     token_times: list[float] = field(default_factory=list)
-    tokens: int = 0
     rtt_ms: float = 0.0         # inject -> result, summed over this request's own micro-batches
     busy_ms: float = 0.0        # of which stages computed or waited out emulated time
     trips: int = 0
@@ -67,6 +82,8 @@ class Engine:
         self._waiting: dict[str, asyncio.Future] = {}          # queued request -> set when it may start
         self._schedulers: dict[tuple[str, SpecOptions], Scheduler] = {}
         self._live: dict[str, _Live] = {}
+        self._client_of: dict[str, str] = {}                    # wire id of a re-run -> client request id
+        self._orphans: set[str] = set()                         # wire ids a failed pipeline may still hold
         self._owner: dict[int, tuple[Scheduler, int]] = {}     # wire batch id -> (scheduler, its batch id)
         self._sent_at: dict[int, float] = {}                    # wire batch id -> when it was injected
         self._batch_ids = itertools.count(1)
@@ -76,6 +93,8 @@ class Engine:
         self._background: set[asyncio.Task] = set()
         self.failure: BaseException | None = None
         self.unavailable = ""          # set while the pipeline has no stages (scaled to zero): why
+        # called (on the loop) when the transport fails; None: every request fails with UNAVAILABLE
+        self.on_failure: Callable[[BaseException], None] | None = None
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._execute()), asyncio.create_task(self._pump())]
@@ -104,12 +123,8 @@ class Engine:
         request fails with UNAVAILABLE and `why`). Schedulers are rebuilt for the new depth."""
         if self.admission.active:
             raise RuntimeError("swap_transport needs a drained engine")
-        for t in self._tasks[1:]:
-            t.cancel()
-        await asyncio.gather(*self._tasks[1:], return_exceptions=True)
+        await self._stop_pump()
         self._schedulers.clear()
-        self._owner.clear()
-        self._sent_at.clear()
         self.failure = None
         self.transport = transport
         self.unavailable = "" if transport is not None else why
@@ -117,11 +132,19 @@ class Engine:
             self._tasks[1:] = [asyncio.create_task(self._pump())]
             self._release_started(self.admission.resume(kv_slots))
         else:
-            self._tasks[1:] = []
             self.admission.resume(kv_slots)
             for rid, fut in list(self._waiting.items()):      # held requests cannot run anywhere
                 if not fut.done():
                     fut.set_exception(RuntimeError(why))
+
+    async def _stop_pump(self) -> None:
+        """Stop reading results; forget the micro-batches in flight."""
+        for t in self._tasks[1:]:
+            t.cancel()
+        await asyncio.gather(*self._tasks[1:], return_exceptions=True)
+        self._tasks[1:] = []
+        self._owner.clear()
+        self._sent_at.clear()
 
     def _release_started(self, started: list[str]) -> None:
         for rid in started:
@@ -151,26 +174,28 @@ class Engine:
             raise RuntimeError(f"the pipeline failed: {self.failure}")
         if self.unavailable:
             raise RuntimeError(self.unavailable)
-        sched = self.scheduler(method or self.default_method, spec)
+        method = method or self.default_method
+        sched = self.scheduler(method, spec)
         rid = request_id or uuid.uuid4().hex[:16]
         if rid in self._live:
             raise ValueError(f"request id {rid} is already running")
+        request = Request(rid, list(prompt_ids), max_new_tokens, eos_ids, sampling)
         need = kv_need(len(prompt_ids), max_new_tokens, self.transport.num_stages, sched.kv_rows_per_batch)
         runs_now = self.admission.offer(rid, need)
-        live = self._live[rid] = _Live(sched, asyncio.Queue(), time.perf_counter())
+        live = self._live[rid] = _Live(sched, asyncio.Queue(), time.perf_counter(), request, method, spec, rid)
         added = False
         try:
             if not runs_now:
                 self._waiting[rid] = asyncio.get_running_loop().create_future()
                 await self._waiting[rid]
                 # a re-partition may have happened meanwhile: take the scheduler of the current pipeline
-                sched = live.scheduler = self.scheduler(method or self.default_method, spec)
-            added = True
-            await self._call(sched, sched.add, Request(rid, list(prompt_ids), max_new_tokens, eos_ids, sampling))
+                sched = live.scheduler = self.scheduler(method, spec)
+            added = live.started = True
+            await self._call(sched, sched.add, request)
         except BaseException as e:
             self._waiting.pop(rid, None)
             if added and isinstance(e, asyncio.CancelledError):
-                self._spawn(self._abandon(sched, rid))     # the client left while it was being added
+                self._spawn(self._abandon(rid))     # the client left while it was being added
             else:
                 self._live.pop(rid, None)
                 self._release(rid)
@@ -182,19 +207,24 @@ class Engine:
         live = self._live.get(request_id)
         if live is None:
             return
+        live.cancel_reason = live.cancel_reason or reason       # honoured by `restart` if one is under way
         waiting = self._waiting.get(request_id)
         if waiting is not None:
             if not waiting.done():
                 why = f"the pipeline failed: {self.failure}" if self.failure else f"request {reason} while queued"
                 waiting.set_exception(RuntimeError(why))
             return
-        self._spawn(self._call(live.scheduler, live.scheduler.cancel, request_id, reason))
+        self._spawn(self._call(live.scheduler, live.scheduler.cancel, live.wire_id, reason))
 
-    async def _abandon(self, sched: Scheduler, rid: str) -> None:
+    async def _abandon(self, rid: str) -> None:
         """A submit cancelled around `add`: cancel the request if the scheduler took it, else (the add
         never ran, or failed) drop what the engine holds for it."""
-        if await self._call(sched, lambda: rid in sched.requests):
-            await self._call(sched, sched.cancel, rid, "cancelled")
+        live = self._live.get(rid)
+        if live is None:
+            return
+        sched, wire_id = live.scheduler, live.wire_id
+        if await self._call(sched, lambda: wire_id in sched.requests):
+            await self._call(sched, sched.cancel, wire_id, "cancelled")
         else:
             self._live.pop(rid, None)
             self._release(rid)
@@ -204,7 +234,11 @@ class Engine:
         self._release_started(self.admission.release(request_id))
 
     async def _call(self, sched: Scheduler, fn, *args):
+        """Run `fn` on `sched` in a worker thread and queue the actions it produced. A retired scheduler
+        (see `suspend`) is not called any more: the result is None."""
         async with self._lock:
+            if not self._current(sched):
+                return None
             job = asyncio.ensure_future(asyncio.to_thread(fn, *args))
             try:
                 return await asyncio.shield(job)
@@ -217,6 +251,9 @@ class Engine:
                 if sched.has_work:       # deferred draft compute runs after the actions above are queued
                     self._spawn(self._call(sched, sched.work))
 
+    def _current(self, sched: Scheduler) -> bool:
+        return any(s is sched for s in self._schedulers.values())
+
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
@@ -227,7 +264,9 @@ class Engine:
         while True:
             sched, action = await self._work.get()
             try:
-                if isinstance(action, Inject):
+                if isinstance(action, (Inject, Broadcast)) and not self._current(sched):
+                    self._orphans.update(_request_ids(action))  # for a failed pipeline: released on the next
+                elif isinstance(action, Inject):
                     wire_id = next(self._batch_ids)
                     self._owner[wire_id] = (sched, action.batch.batch_id)
                     action.batch.batch_id = wire_id
@@ -239,9 +278,10 @@ class Engine:
                     self._emit(action)
                 elif isinstance(action, Finish):
                     self._finish(action)
-            except Exception as e:   # a broken transport fails every request, not the process
-                log.error("pipeline transport failed", error=str(e))
-                self._fail_all(e)
+            except Exception as e:   # a broken transport fails every request (or starts a recovery)
+                if isinstance(action, (Inject, Broadcast)):
+                    self._orphans.update(_request_ids(action))
+                self._transport_failed(e)
             finally:
                 self._work.task_done()
 
@@ -257,14 +297,23 @@ class Engine:
                 batch.batch_id = local_id
                 await self._call(sched, sched.on_result, batch)
         except Exception as e:
-            log.exception("pipeline results failed", error=str(e))
-            self._fail_all(e)
+            self._transport_failed(e)
+
+    def _transport_failed(self, error: BaseException) -> None:
+        if self.on_failure is not None:
+            self.on_failure(error)
+        else:
+            log.error("pipeline transport failed", error=str(error))
+            self._fail_all(error)
+
+    def _client(self, wire_id: str) -> _Live | None:
+        return self._live.get(self._client_of.get(wire_id, wire_id))
 
     def _account(self, batch: MicroBatch, sent: float | None) -> None:
         """Round trip of a one-request micro-batch against the time stages spent on it: the rest is the
         coordinator, the transport and queueing."""
         rids = {s.request_id for s in batch.segments}
-        live = self._live.get(next(iter(rids))) if len(rids) == 1 else None
+        live = self._client(next(iter(rids))) if len(rids) == 1 else None
         if live is None or sent is None:
             return
         live.rtt_ms += (time.perf_counter() - sent) * 1e3
@@ -272,43 +321,121 @@ class Engine:
         live.trips += 1
 
     def _emit(self, action: Emit) -> None:
-        live = self._live.get(action.request_id)
-        if live is None:
+        live = self._client(action.request_id)
+        if live is None or live.wire_id != action.request_id:
             return
         live.token_times.append(time.perf_counter())
-        live.tokens += len(action.token_ids)
+        live.emitted += action.token_ids
         live.events.put_nowait(("tokens", action.token_ids))
 
     def _finish(self, action: Finish) -> None:
-        live = self._live.pop(action.request_id, None)
-        self._release(action.request_id)
-        if live is None:
+        rid = self._client_of.pop(action.request_id, action.request_id)
+        live = self._live.get(rid)
+        if live is None or live.wire_id != action.request_id:
             return
+        del self._live[rid]
+        self._release(rid)
         stats = dict(action.stats)
+        if live.attempts:      # the scheduler saw only the last attempt
+            stats["tokens"] = float(len(live.emitted))
+            stats["recoveries"] = float(live.attempts)
         now = time.perf_counter()
         times = live.token_times
         stats["wall_ms"] = (now - live.submitted) * 1e3
         stats["ttft_ms"] = (times[0] - live.submitted) * 1e3 if times else 0.0
-        stats["tbt_ms"] = (times[-1] - times[0]) * 1e3 / (live.tokens - 1) if live.tokens > 1 else 0.0
+        n = len(live.emitted)
+        stats["tbt_ms"] = (times[-1] - times[0]) * 1e3 / (n - 1) if n > 1 else 0.0
         if live.trips:
             stats["rtt_ms_mean"] = live.rtt_ms / live.trips
             stats["overhead_ms_mean"] = (live.rtt_ms - live.busy_ms) / live.trips
             stats["overhead_share"] = (live.rtt_ms - live.busy_ms) / live.rtt_ms if live.rtt_ms else 0.0
         if "draft_ms" in stats:
             stats["draft_share"] = stats["draft_ms"] / stats["wall_ms"] if stats["wall_ms"] else 0.0
-        log.debug("request finished", request_id=action.request_id, reason=action.reason, **stats)
+        log.debug("request finished", request_id=rid, reason=action.reason, **stats)
         live.events.put_nowait(("finish", Finished(action.reason, stats, action.error, action.error_code)))
 
     def _fail_all(self, error: BaseException) -> None:
         """End every client stream with UNAVAILABLE; scheduler state is dropped through cancel."""
         first = self.failure is None
         self.failure = self.failure or error
-        for rid, live in list(self._live.items()):
-            if first:
-                live.events.put_nowait(("finish", Finished("error", {}, f"pipeline failure: {error}", 14)))
         if first:
+            for rid, live in list(self._live.items()):
+                live.events.put_nowait(("finish", Finished("error", {}, f"pipeline failure: {error}", 14)))
             for rid in list(self._live):
                 self.cancel(rid)
+
+    # -- stage failure (driven by coordinator/recovery.py) -------------------------------------------
+    async def suspend(self) -> set[str]:
+        """Stop using a failed pipeline: hold admission, retire every scheduler (their requests stay with
+        the engine; their micro-batches in flight are forgotten), deliver the tokens they had committed and
+        drop the rest of their actions. Returns the wire ids the stages may still hold state for. The
+        failed transport must be aborted first, so that nothing waits on it."""
+        self.admission.hold()
+        async with self._lock:
+            retired = list(self._schedulers.values())
+            self._schedulers.clear()
+        await self._stop_pump()
+
+        def forget() -> None:           # scheduler and draft state of every request they still ran
+            for sched in retired:
+                for wire_id in list(sched.requests):
+                    sched.cancel(wire_id, "stage failure")
+                self._orphans.update(rid for a in sched.poll() for rid in _request_ids(a))
+        async with self._lock:
+            await asyncio.to_thread(forget)
+        await self._work.join()          # Emit/Finish go to the clients; Inject/Broadcast become orphans
+        orphans, self._orphans = self._orphans, set()
+        return orphans | {live.wire_id for live in self._live.values() if live.started}
+
+    async def restart(self, transport: Transport, kv_slots: int | None) -> int:
+        """Go on over a new pipeline: every running request runs again from its prompt plus the tokens its
+        client already has (a request cancelled meanwhile just finishes). Returns how many were re-run."""
+        self.transport, self.failure, self.unavailable = transport, None, ""
+        self._tasks[1:] = [asyncio.create_task(self._pump())]
+        rerun = 0
+        for rid, live in list(self._live.items()):
+            if not live.started:
+                continue
+            req, done = live.request, live.emitted
+            left = req.max_new_tokens - len(done)
+            reason = live.cancel_reason or ("eos" if done and done[-1] in req.eos_ids else "length" if left < 1 else "")
+            if reason:
+                self._finish(Finish(live.wire_id, reason, {"steps": 0.0, "tokens": float(len(done))}))
+                continue
+            live.attempts += 1
+            self._client_of.pop(live.wire_id, None)
+            live.wire_id = f"{rid}.r{live.attempts}"
+            self._client_of[live.wire_id] = rid
+            live.scheduler = sched = self.scheduler(live.method, live.spec)
+            again = Request(live.wire_id, req.prompt_ids + done, left, req.eos_ids, req.sampling)
+            try:
+                await self._call(sched, sched.add, again)
+            except ValueError as e:         # cannot happen for a request that ran; end it rather than hang
+                self._finish(Finish(live.wire_id, "error", {}, f"cannot resume after a stage failure: {e}", 13))
+                continue
+            rerun += 1
+        self._release_started(self.admission.resume(kv_slots))
+        return rerun
+
+    def fail_running(self, why: str) -> None:
+        """The pipeline is not coming back (soon): end every request with UNAVAILABLE — the tokens already
+        streamed stay committed — and refuse new ones with `why` until `restart`."""
+        self.unavailable = why
+        for rid, live in list(self._live.items()):
+            waiting = self._waiting.pop(rid, None)
+            if waiting is not None and not waiting.done():
+                waiting.set_exception(RuntimeError(why))
+                continue
+            if live.started:
+                self._finish(Finish(live.wire_id, "error", {}, why, 14))
+
+
+def _request_ids(action) -> list[str]:
+    if isinstance(action, Inject):
+        return [s.request_id for s in action.batch.segments]
+    if isinstance(action, Broadcast):
+        return [action.control.request_id]
+    return []
 
 
 def _log_failure(task: asyncio.Task) -> None:

@@ -1,7 +1,8 @@
 """Local stage processes on 127.0.0.1, as `specpipe local` and `specpipe run` start them.
 
 Ports are picked up front so every stage starts at once with its next hop known; the pipeline is ready
-when every stage answers Info.
+when every stage answers Info. `supervise()` restarts a stage process that exits, on the same port with the
+same arguments, as Kubernetes restarts a pod (the coordinator's recovery then resumes the streams).
 """
 from __future__ import annotations
 
@@ -13,12 +14,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
 from protos import stage_pb2, stage_pb2_grpc
+from services.logs import get_logger
+
+log = get_logger(__name__)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -36,10 +41,15 @@ class LocalStages:
     threads: int = 1
     stage_time_ms: str = "0"
     kv_limit_mb: float = 0.0
+    metrics_port: int = 0          # stage i serves metrics on metrics_port + 1 + i (0 = none)
     host: str = "127.0.0.1"
     log_dir: Path | None = None
     procs: list[subprocess.Popen] = field(default_factory=list)
     addresses: list[str] = field(default_factory=list)
+    restarts: list[int] = field(default_factory=list)       # per stage, by supervise()
+    _cmds: list[list[str]] = field(default_factory=list)
+    _env: dict[str, str] = field(default_factory=dict)
+    _stopping: bool = False
 
     def start(self) -> list[str]:
         if self.num_stages < 1:
@@ -48,24 +58,49 @@ class LocalStages:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         ports = [free_port(self.host) for _ in range(self.num_stages)]
         self.addresses = [f"{self.host}:{p}" for p in ports]
-        env = dict(os.environ, SPECPIPE_LOG_FORMAT=os.environ.get("SPECPIPE_LOG_FORMAT", "json"))
-        for i, port in enumerate(ports):
-            cmd = [sys.executable, "-m", "services.server", "--model", self.model, "--stage", str(i),
-                   "--num-stages", str(self.num_stages), "--host", self.host, "--port", str(port),
-                   "--next-hop", self.addresses[i + 1] if i + 1 < self.num_stages else "",
-                   "--dtype", self.dtype, "--device", self.device, "--threads", str(self.threads),
-                   "--stage-time-ms", self.stage_time_ms, "--kv-limit-mb", str(self.kv_limit_mb)]
-            log = open(self.log_path(i), "w")
-            self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                               start_new_session=True))
-            log.close()
+        self._env = dict(os.environ, SPECPIPE_LOG_FORMAT=os.environ.get("SPECPIPE_LOG_FORMAT", "json"))
+        self._cmds = [[sys.executable, "-m", "services.server", "--model", self.model, "--stage", str(i),
+                       "--num-stages", str(self.num_stages), "--host", self.host, "--port", str(port),
+                       "--next-hop", self.addresses[i + 1] if i + 1 < self.num_stages else "",
+                       "--dtype", self.dtype, "--device", self.device, "--threads", str(self.threads),
+                       "--stage-time-ms", self.stage_time_ms, "--kv-limit-mb", str(self.kv_limit_mb),
+                       # never the coordinator's SPECPIPE_METRICS_PORT from the environment
+                       "--metrics-port", str(self.metrics_port + 1 + i if self.metrics_port else 0)]
+                      for i, port in enumerate(ports)]
+        self.procs = [self._launch(i, "w") for i in range(self.num_stages)]
+        self.restarts = [0] * self.num_stages
         return self.addresses
+
+    def _launch(self, i: int, mode: str) -> subprocess.Popen:
+        with open(self.log_path(i), mode) as out:
+            return subprocess.Popen(self._cmds[i], stdout=out, stderr=subprocess.STDOUT, env=self._env,
+                                    start_new_session=True)
+
+    async def supervise(self, poll_s: float = 0.25, max_backoff_s: float = 30.0) -> None:
+        """Restart stage processes that exit, until cancelled: at once, then with a doubling delay (up to
+        max_backoff_s) while one keeps exiting within a minute of its start, as a crash-looping pod would."""
+        started = [time.monotonic()] * self.num_stages
+        backoff = [0.0] * self.num_stages
+        while True:
+            await asyncio.sleep(poll_s)
+            for i, proc in enumerate(self.procs):
+                if self._stopping or proc.poll() is None or time.monotonic() < started[i] + backoff[i]:
+                    continue
+                if time.monotonic() - started[i] > 60:
+                    backoff[i] = 0.0
+                log.warning("stage process exited: restarting it", stage=i, exit_code=proc.returncode,
+                            restarts=self.restarts[i] + 1, log=str(self.log_path(i)))
+                self.procs[i] = self._launch(i, "a")
+                self.restarts[i] += 1
+                started[i] = time.monotonic()
+                backoff[i] = min(max_backoff_s, max(1.0, backoff[i] * 2))
 
     def log_path(self, i: int) -> Path:
         return self.log_dir / f"stage-{i}.log"
 
-    async def wait_ready(self, timeout_s: float = 300.0) -> None:
-        """Wait until every stage answers Info; raise with the stage's log tail if one exits."""
+    async def wait_ready(self, timeout_s: float = 300.0, on_ready: Callable[[int], None] | None = None) -> None:
+        """Wait until every stage answers Info (calling on_ready(i) as stage i does); raise with the
+        stage's log tail if one exits."""
         deadline = time.monotonic() + timeout_s
         pending = set(range(self.num_stages))
         channels = [grpc.aio.insecure_channel(a) for a in self.addresses]
@@ -78,6 +113,8 @@ class LocalStages:
                     try:
                         await stage_pb2_grpc.StageStub(channels[i]).Info(stage_pb2.InfoRequest(), timeout=0.5)
                         pending.discard(i)
+                        if on_ready is not None:
+                            on_ready(i)
                     except grpc.aio.AioRpcError:
                         pass
                 if time.monotonic() > deadline:
@@ -96,6 +133,7 @@ class LocalStages:
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM every stage (they drain), then SIGKILL what is left."""
+        self._stopping = True
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)

@@ -75,7 +75,6 @@ class Repartitioner:
         self.address_of = address_of
         self.current = coordinator.pipeline.num_stages if coordinator.pipeline is not None else 0
         self._target: int | None = None
-        self._lock = asyncio.Lock()
 
     async def scale(self, n: int, force: bool = False) -> None:
         """Converge to n stages (returns when done; concurrent calls: the latest target wins). force:
@@ -83,7 +82,16 @@ class Repartitioner:
         if n < 0:
             raise ValueError("the number of stages cannot be negative")
         self._target = n
-        async with self._lock:
+        recovery = self.coordinator.recovery
+        if recovery is not None and recovery.running and n > 0:   # recover straight onto the new depth
+            recovery.retarget([self.address_of(i) for i in range(n)])
+            await recovery.wait()
+            self.current = n
+        elif recovery is not None and recovery.running:
+            await recovery.close()                  # nothing to wait for: scaled to zero
+            self.coordinator.engine.fail_running("the pipeline has no stages: the stage StatefulSet was "
+                                                 "scaled to 0 replicas")
+        async with self.coordinator.pipeline_lock:
             if force and self.coordinator.engine.failure is not None:
                 self.current = -1
             while self._target is not None and self._target != self.current:

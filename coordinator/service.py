@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 
 import torch
 
+from services.batch import Control
 from services.logs import get_logger
 from services.model.loader import resolve_model, stderr_log
 
@@ -19,6 +21,8 @@ from coordinator.config import CoordinatorConfig
 from coordinator.drafts.factory import build_draft
 from coordinator.drivers.grpc import GrpcPipeline
 from coordinator.engine import Engine, Finished
+from coordinator.metrics import RequestMetrics, track
+from coordinator.recovery import Recovery
 from coordinator.requests import InvalidRequest, Limits, check
 from coordinator.schedulers.registry import METHODS, SpecOptions
 from coordinator.text import PromptEncoder, TextStream
@@ -65,6 +69,12 @@ class Coordinator:
         self.pipeline: GrpcPipeline | None = pipeline      # None while scaled to zero (coordinator/scaling.py)
         self.num_layers = pipeline.infos[0].num_layers_total
         self.encoder, self.eos_ids, self.limits = encoder, eos_ids, limits
+        self.pipeline_lock = asyncio.Lock()     # held by whoever replaces the pipeline (re-partition, recovery)
+        self.recovery: Recovery | None = None
+        if config.recovery_timeout_s > 0:
+            self.recovery = Recovery(self, config.recovery_timeout_s)
+            self.recovery.attach()
+        track(engine)                       # the queue / active gauges read its admission state
 
     @classmethod
     async def connect(cls, config: CoordinatorConfig) -> "Coordinator":
@@ -88,6 +98,8 @@ class Coordinator:
         return cls(config, pipeline, engine, PromptEncoder(tokenizer), eos_ids, limits)
 
     async def close(self) -> None:
+        if self.recovery is not None:
+            await self.recovery.close()
         await self.engine.close()
         if self.pipeline is not None:
             await self.pipeline.close()
@@ -119,6 +131,12 @@ class Coordinator:
         return replace(self.engine.spec, **inp.spec_overrides) if inp.spec_overrides else None
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[Chunk]:
+        with RequestMetrics(inp.method or self.config.method) as metrics:   # outcome, latency, tokens
+            async with aclosing(self._generate(inp, metrics)) as chunks:    # closed here, not by the GC
+                async for chunk in chunks:
+                    yield chunk
+
+    async def _generate(self, inp: GenerateInput, metrics: RequestMetrics) -> AsyncIterator[Chunk]:
         params = self.prepare(inp)
         eos = frozenset() if params.ignore_eos else self.eos_ids
         try:
@@ -142,6 +160,7 @@ class Coordinator:
                     delta, stopped = text.feed(payload)
                     if stopped:
                         self.engine.cancel(rid, "stop")
+                    metrics.tokens(len(payload))
                     yield Chunk(payload, delta, request_id=rid)
                     continue
                 fin: Finished = payload
@@ -155,6 +174,7 @@ class Coordinator:
                 log.info("request finished", request_id=rid, method=params.method, reason=reason,
                          tokens=int(stats.get("tokens", 0)), steps=int(stats.get("steps", 0)),
                          tbt_ms=round(stats.get("tbt_ms", 0.0), 2), ttft_ms=round(stats.get("ttft_ms", 0.0), 1))
+                metrics.finished(reason, stats)
                 yield Chunk([], text.flush(), reason, stats, request_id=rid)
                 return
         finally:
@@ -163,8 +183,16 @@ class Coordinator:
 
 
 async def _open(config: CoordinatorConfig, addresses: list[str]) -> GrpcPipeline:
-    pipeline = GrpcPipeline(addresses, config.max_message_mb * 1024 * 1024, config.connect_timeout_s, config.tls)
+    """Connect to the stages. One coordinator owns a pipeline: whatever the stages still hold when it opens
+    (left by a coordinator that died, or by requests whose releases were lost) is released first."""
+    pipeline = GrpcPipeline(addresses, config.max_message_mb * 1024 * 1024, config.connect_timeout_s, config.tls,
+                            config.probe_interval_s, config.probe_timeout_s)
     await pipeline.start()
+    stale = sorted({r.request_id for info in pipeline.infos for r in info.requests})
+    if stale:
+        log.warning("releasing requests left on the stages", count=len(stale), request_ids=stale[:5])
+        for rid in stale:
+            await pipeline.broadcast(Control(rid, release=True))
     return pipeline
 
 

@@ -67,12 +67,25 @@ class PromptEncoder:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: send prompt_token_ids instead of prompt text")
         if chat and self.has_chat_template:
-            out = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                     add_generation_prompt=True, tokenize=True)
-            if hasattr(out, "keys") and "input_ids" in out:
-                out = out["input_ids"]
-            return list(out)
+            return self.encode_chat([{"role": "user", "content": prompt}])
         return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """A conversation ({"role", "content"} dicts) rendered with the model's chat template, ending with
+        the prompt of the assistant's turn. ValueError when there is no template or it refuses the messages
+        (say, roles that do not alternate)."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: send prompt_token_ids instead of prompt text")
+        if not self.has_chat_template:
+            raise ValueError("this model has no chat template: send a raw prompt instead")
+        from jinja2 import TemplateError
+        try:
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except TemplateError as e:
+            raise ValueError(f"the chat template refused the messages: {e}") from None
+        if hasattr(out, "keys") and "input_ids" in out:
+            out = out["input_ids"]
+        return list(out)
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:

@@ -63,6 +63,8 @@ class StageConfig:
     tls_cert: str = ""                  # PEM certificate of this stage (server and, to the next hop, client)
     tls_key: str = ""
     tls_ca: str = ""                    # CA that peers' certificates must chain to (mutual TLS)
+    metrics_port: int = 0               # Prometheus metrics on HOST:metrics_port (0 = off)
+    health_port: int = 0                # plaintext grpc.health.v1 only, for probes when TLS is on (0 = off)
 
     def __post_init__(self) -> None:
         if self.num_stages < 1:
@@ -75,6 +77,10 @@ class StageConfig:
             raise ValueError("threads must be at least 1")
         if self.kv_limit_mb < 0:
             raise ValueError("kv_limit_mb must be 0 (no limit) or more")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port {self.metrics_port} is not a port (0 = off)")
+        if not 0 <= self.health_port <= 65535:
+            raise ValueError(f"health_port {self.health_port} is not a port (0 = off)")
         TLSFiles(self.tls_cert, self.tls_key, self.tls_ca)      # raises for a missing file or a lone cert
         parse_dtype(self.dtype)
         parse_stage_time(self.stage_time_ms)
@@ -119,6 +125,11 @@ class StageConfig:
                        help="K/V cache memory for all requests together (0 = no limit); a request that "
                             "would pass it fails with RESOURCE_EXHAUSTED, and the coordinator admits "
                             "requests only while their reserved KV fits")
+        p.add_argument("--health-port", type=int, default=_env_int("SPECPIPE_HEALTH_PORT", cls.health_port),
+                       help="also serve grpc.health.v1 alone in plaintext on this port (kubelet probes when "
+                            "the main port requires TLS; 0 = off)")
+        p.add_argument("--metrics-port", type=int, default=_env_int("SPECPIPE_METRICS_PORT", cls.metrics_port),
+                       help="serve Prometheus metrics on this port, on --host (0 = off)")
         add_tls_arguments(p)
 
     @classmethod
@@ -140,7 +151,8 @@ class StageConfig:
                    last_layer=last, host=args.host, port=args.port, port_file=args.port_file,
                    next_hop=next_hop, dtype=args.dtype, device=args.device, threads=args.threads,
                    stage_time_ms=args.stage_time_ms, grace_s=args.grace_s, kv_limit_mb=args.kv_limit_mb,
-                   tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
+                   tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+                   metrics_port=args.metrics_port, health_port=args.health_port)
 
     @classmethod
     def from_env(cls) -> "StageConfig":

@@ -10,6 +10,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.logs import get_logger
+from services.malformed import MalformedRequestInterceptor
 
 log = get_logger(__name__)
 
@@ -36,13 +37,28 @@ class Server:
     """A grpc.aio server with health (grpc.health.v1) and reflection for the given service names."""
 
     def __init__(self, service_names: list[str], max_message_bytes: int, interceptors=()) -> None:
-        self.server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=list(interceptors))
+        # undecodable request bytes: INVALID_ARGUMENT, not grpc.aio's UNKNOWN (after any auth check)
+        self.server = grpc.aio.server(options=server_options(max_message_bytes),
+                                      interceptors=[*interceptors, MalformedRequestInterceptor()])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = service_names
         reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME],
                                             self.server)
         self.port = 0
+        self.health_port = 0
+        self._health_server: grpc.aio.Server | None = None
+
+    def bind_health(self, host: str, port: int) -> int:
+        """Also serve grpc.health.v1 alone, in plaintext, on host:port: for probes that cannot speak TLS
+        (the kubelet's gRPC probes) when the main port requires (mutual) TLS. It reports what the main
+        server reports."""
+        self._health_server = grpc.aio.server(options=server_options(64 * 1024))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+        self.health_port = self._health_server.add_insecure_port(f"{host}:{port}")
+        if self.health_port == 0:
+            raise OSError(f"cannot bind the health port {host}:{port}")
+        return self.health_port
 
     def bind(self, host: str, port: int, credentials: grpc.ServerCredentials | None = None) -> int:
         """Listen on host:port, with TLS when credentials are given (services/tls.py)."""
@@ -55,6 +71,8 @@ class Server:
 
     async def start(self) -> None:
         await self.server.start()
+        if self._health_server is not None:
+            await self._health_server.start()
         for name in ["", *self.service_names]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
@@ -66,6 +84,8 @@ class Server:
         if notice > 0:
             await asyncio.sleep(notice)
         await self.server.stop(max(0.0, grace_s - notice))
+        if self._health_server is not None:
+            await self._health_server.stop(0)
 
     async def serve_until_signal(self, grace_s: float,
                                  on_stop: Callable[[], Awaitable[None]] | None = None) -> None:

@@ -39,8 +39,14 @@ async def serve(config: StageConfig) -> None:
     server = Server([SERVICE_NAME], config.max_message_mb * MiB)
     stage_pb2_grpc.add_StageServicer_to_server(servicer, server.server)
     port = server.bind(config.host, config.port, config.tls.server_credentials())
+    if config.health_port:
+        server.bind_health(config.host, config.health_port)
     servicer.start()
     await server.start()
+    if config.metrics_port:
+        from prometheus_client import start_http_server
+        start_http_server(config.metrics_port, addr=config.host)
+        log.info("metrics serving", port=config.metrics_port)
     log.info("stage serving", stage=config.stage, layers=f"{runner.shard.first}:{runner.shard.last}",
              port=port, next_hop=config.next_hop or "coordinator", dtype=config.dtype, device=config.device,
              stage_time_ms=config.stage_time_ms, tls="mutual" if config.tls_ca and config.tls_cert else
@@ -54,7 +60,18 @@ async def serve(config: StageConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specpipe stage", description="Serve one pipeline stage.")
+    parser = argparse.ArgumentParser(
+        prog="specpipe stage", description="Serve one pipeline stage.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples (a 2-stage pipeline on one machine; then `specpipe coordinator`):\n"
+               "  specpipe stage --stage 0 --num-stages 2 --port 50061 --next-hop 127.0.0.1:50062\n"
+               "  specpipe stage --stage 1 --num-stages 2 --port 50062\n"
+               "  specpipe stage --model ~/models/llama --stage 0 --num-stages 4 --layers 0:8 --device cuda:0 \\\n"
+               "      --dtype bfloat16 --next-hop stage-1:50061\n"
+               "  specpipe stage --stage auto --num-stages 4 \\\n"
+               "      --next-hop 'rel-specpipe-stage-{next}.rel-specpipe-stage:50061'     # in a StatefulSet pod\n"
+               "Most options also read SPECPIPE_<OPTION> from the environment (SPECPIPE_STAGE, "
+               "SPECPIPE_TLS_CERT, ...).")
     StageConfig.add_arguments(parser)
     args = parser.parse_args(argv)
     configure()

@@ -7,6 +7,7 @@ in a worker thread so control messages keep flowing while a step computes. `self
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from dataclasses import replace
 
@@ -17,6 +18,7 @@ from services.batch import Segment
 from services.codec import CodecError
 from services.config import StageConfig
 from services.grpc_server import channel_options
+from services import metrics
 from services.logs import get_logger
 from services.model.shard import load_shard
 from services.nodes import ProtocolError
@@ -48,8 +50,10 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
         self._sender = asyncio.create_task(self._send_loop())
+        metrics.watch(self)
 
     async def close(self) -> None:
+        metrics.forget(self)
         if self._sender is not None:
             await self._outbox.put(_END)
             try:
@@ -92,6 +96,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 if remaining > 0:
                     await asyncio.sleep(remaining)
                 out.trace[-1].wait_ms = max(0.0, remaining * 1e3)
+            metrics.step(self.config.stage, out.trace[-1], emulated=bool(a_ms or b_ms))
             return await asyncio.to_thread(batch_to_proto, out)
 
     async def _send_loop(self) -> None:
@@ -110,12 +115,14 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     self.log.warning("result dropped: no Results subscriber", batch_id=msg.batch_id)
                 else:
                     self._subscriber.put_nowait(msg)
+                    metrics.SENT_BYTES.labels(str(self.config.stage), "results").inc(msg.ByteSize())
                 continue
             for attempt in range(5):
                 try:
                     if call is None:
                         call = self._open_forward()
                     await call.write(msg)
+                    metrics.SENT_BYTES.labels(str(self.config.stage), "next_stage").inc(msg.ByteSize())
                     break
                 except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as e:
                     self.log.warning("forward to next hop failed", next_hop=self._next_hop, attempt=attempt,
@@ -142,7 +149,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         queue: asyncio.Queue = asyncio.Queue()
         self._subscriber = queue
         await context.send_initial_metadata(())    # tells the subscriber it is registered
-        self.log.info("results subscriber connected", peer=context.peer())
+        peer = context.peer()     # read now: the context must not be touched once the server has gone
+        self.log.info("results subscriber connected", peer=peer)
         how = "cancelled"
         try:
             while True:
@@ -154,7 +162,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         finally:
             if self._subscriber is queue:
                 self._subscriber = None
-            self.log.info("results subscriber left", peer=context.peer(), how=how)
+            self.log.info("results subscriber left", peer=peer, how=how)
 
     # -- control plane ------------------------------------------------------------------------------
     async def Control(self, request_iterator, context):
@@ -164,8 +172,10 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             async with self._state:
                 try:
                     self.runner.apply(control)
+                    metrics.CONTROL.labels(str(self.config.stage), "applied").inc()
                 except ProtocolError as e:
                     self.log.warning("control message rejected", request_id=control.request_id, error=str(e))
+                    metrics.CONTROL.labels(str(self.config.stage), "rejected").inc()
             count += 1
         return stage_pb2.ControlSummary(messages=count)
 
@@ -180,6 +190,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         if (stage == n - 1) != (not request.next_hop) or (last == shard.total_layers) != (stage == n - 1):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "exactly the last stage holds the last layer and has no next hop")
+        hop = re.fullmatch(r"(?:[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\]):([0-9]{1,5})", request.next_hop)
+        if request.next_hop and not (hop and 0 < int(hop.group(1)) < 65536):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"next hop {request.next_hop!r} is not HOST:PORT")
         async with self._busy:
             async with self._state:
                 if self.runner.cache.requests:
@@ -249,6 +262,7 @@ async def _finish_call(call) -> None:
 def _rejected(msg: stage_pb2.MicroBatch, error: str, stage: int,
               code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> stage_pb2.MicroBatch:
     """The same micro-batch with every segment turned into an error (no rows, no tensors)."""
+    metrics.REJECTED.labels(str(stage), code.name.lower()).inc()
     code = code.value[0]
     out = stage_pb2.MicroBatch(batch_id=msg.batch_id, return_logprobs=msg.return_logprobs)
     out.trace.extend(msg.trace)

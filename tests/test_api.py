@@ -125,7 +125,8 @@ async def test_logs_carry_the_request_id(api):
 async def test_losing_the_last_stage_ends_streams_with_unavailable_not_a_hang(tiny_model):
     from coordinator.service import Coordinator, GenerateInput, GenerationFailed
     async with stage_servers(str(tiny_model), 2, stage_time_ms="40") as (addrs, servicers):
-        coord = await Coordinator.connect(CoordinatorConfig(stages=tuple(addrs), model=str(tiny_model)))
+        coord = await Coordinator.connect(CoordinatorConfig(stages=tuple(addrs), model=str(tiny_model),
+                                                            recovery_timeout_s=0))     # fail at once
         try:
             async def consume():
                 async for _ in coord.generate(GenerateInput(prompt_token_ids=[5, 6], max_new_tokens=60,

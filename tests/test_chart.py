@@ -84,7 +84,7 @@ def test_default_objects():
     svc = [s for s in by_kind(objs, "Service") if s["metadata"]["name"] == "rel-specpipe-stage"][0]
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
     api = [s for s in by_kind(objs, "Service") if s["metadata"]["name"] == "rel-specpipe-coordinator"][0]
-    assert {p["name"]: p["port"] for p in api["spec"]["ports"]} == {"grpc": 50051, "metrics": 9090}
+    assert {p["name"]: p["port"] for p in api["spec"]["ports"]} == {"grpc": 50051, "http": 8000, "metrics": 9090}
     assert dep["spec"]["replicas"] == 1
     assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "rel-specpipe"
     role = one(objs, "Role")

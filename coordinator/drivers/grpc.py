@@ -3,6 +3,11 @@
 Data plane: one Forward stream into stage 0 (the stages forward among themselves) and one Results
 subscription on the last stage. Control plane: one Control stream per stage. Messages on each stream keep
 their order; the two planes are independent (stages cope with either order).
+
+Failure detection: `results()` raises PipelineError when any of these streams ends or breaks (a killed stage
+breaks its connections at once), and when a stage does not answer a health check within `probe_timeout_s`
+(probed every `probe_interval_s`: a hung or unreachable stage; a draining one still answers, NOT_SERVING,
+and keeps its streams until it stops). Keepalive pings bound the rest.
 """
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import stage_pb2, stage_pb2_grpc
 from services.batch import Control, MicroBatch
@@ -27,7 +33,8 @@ class PipelineError(RuntimeError):
 
 class GrpcPipeline:
     def __init__(self, addresses: list[str], max_message_bytes: int = 256 * 1024 * 1024,
-                 connect_timeout_s: float = 120.0, tls: TLSFiles | None = None) -> None:
+                 connect_timeout_s: float = 120.0, tls: TLSFiles | None = None,
+                 probe_interval_s: float = 2.0, probe_timeout_s: float = 10.0) -> None:
         if not addresses:
             raise ValueError("a pipeline needs at least one stage address")
         self.addresses = addresses
@@ -41,6 +48,9 @@ class GrpcPipeline:
         self._controls: list = []
         self._results: asyncio.Queue[MicroBatch | BaseException] = asyncio.Queue()
         self._reader: asyncio.Task | None = None
+        self._watchers: list[asyncio.Task] = []
+        self.probe_interval_s = probe_interval_s
+        self.probe_timeout_s = probe_timeout_s
         self._closing = False
 
     @property
@@ -63,6 +73,35 @@ class GrpcPipeline:
         await results_call.initial_metadata()
         self._forward = self._stubs[0].Forward(wait_for_ready=True)
         self._controls = [s.Control(wait_for_ready=True) for s in self._stubs]
+        for i, what, call in [(0, "forward", self._forward), *((i, "control", c) for i, c in enumerate(self._controls))]:
+            call.add_done_callback(lambda c, w=f"{what} stream to stage {i} ({self.addresses[i]})": self._ended(c, w))
+        if self.probe_interval_s > 0:
+            self._watchers.append(asyncio.create_task(self._probe()))
+
+    def _broken(self, why: str) -> None:
+        if not self._closing:
+            log.warning("pipeline broken", why=why)
+            self._results.put_nowait(PipelineError(why))
+
+    def _ended(self, call, what: str) -> None:
+        """A client stream ends only when we close it: ending or failing before that means a stage went."""
+        if self._closing:
+            return
+        async def report() -> None:
+            self._broken(f"{what} ended: {(await call.code()).name} {await call.details()}")
+        self._watchers.append(asyncio.get_running_loop().create_task(report()))
+
+    async def _probe(self) -> None:
+        stubs = [health_pb2_grpc.HealthStub(c) for c in self._channels]
+        while True:
+            await asyncio.sleep(self.probe_interval_s)
+            for i, stub in enumerate(stubs):
+                try:       # a draining stage (NOT_SERVING) still serves its streams: only silence counts
+                    await stub.Check(health_pb2.HealthCheckRequest(), timeout=self.probe_timeout_s)
+                except grpc.aio.AioRpcError as e:
+                    self._broken(f"stage {i} ({self.addresses[i]}) health check failed: "
+                                 f"{e.code().name} {e.details()}")
+                    return
 
     async def _read_results(self, call) -> None:
         try:
@@ -98,8 +137,21 @@ class GrpcPipeline:
     async def info(self, stage: int, request_id: str = "") -> stage_pb2.StageInfo:
         return await self._stubs[stage].Info(stage_pb2.InfoRequest(request_id=request_id), timeout=30)
 
+    async def abort(self) -> None:
+        """Drop the pipeline at once (after a failure): cancel every call, wait for nothing."""
+        self._closing = True
+        for task in [*self._watchers, self._reader]:
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*self._watchers, *([self._reader] if self._reader else []), return_exceptions=True)
+        for c in self._channels:
+            await c.close(grace=None)
+
     async def close(self) -> None:
         self._closing = True
+        for task in self._watchers:
+            task.cancel()
+        await asyncio.gather(*self._watchers, return_exceptions=True)
         for call in [self._forward, *self._controls]:
             if call is not None:
                 try:

@@ -122,3 +122,77 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 {{- toYaml $r -}}
 {{- end -}}
+
+{{/* NetworkPolicy ingress rule of a stage's metrics port: from networkPolicy.metricsFrom, or any pod. */}}
+{{- define "specpipe.metricsIngress" -}}
+{{- if .Values.metrics.enabled -}}
+- ports:
+    - port: {{ .Values.stages.metricsPort }}
+      protocol: TCP
+  {{- with .Values.networkPolicy.metricsFrom }}
+  from:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* Secret of the internal mutual TLS */}}
+{{- define "specpipe.tlsSecret" -}}
+{{- default (printf "%s-tls" (include "specpipe.fullname" .)) .Values.tls.secretName -}}
+{{- end -}}
+
+{{/* Arguments that turn mutual TLS on for the internal hops (the same files as server and client) */}}
+{{- define "specpipe.tlsArgs" -}}
+{{- if .Values.tls.enabled }}
+- --tls-cert=/etc/specpipe/tls/tls.crt
+- --tls-key=/etc/specpipe/tls/tls.key
+- --tls-ca=/etc/specpipe/tls/ca.crt
+{{- end }}
+{{- end -}}
+
+{{- define "specpipe.tlsMounts" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: /etc/specpipe/tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "specpipe.tlsVolumes" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ include "specpipe.tlsSecret" . }}
+{{- end }}
+{{- end -}}
+
+{{/* gRPC probes on `port`, or on the plaintext health port when the main port requires TLS:
+     call with (dict "port" P "tls" BOOL "healthPort" H "startupSeconds" S) */}}
+{{- define "specpipe.probes" -}}
+{{- $port := ternary .healthPort .port .tls -}}
+startupProbe:
+  grpc:
+    port: {{ $port }}
+  periodSeconds: 10
+  failureThreshold: {{ max 1 (div (int .startupSeconds) 10) }}
+readinessProbe:
+  grpc:
+    port: {{ $port }}
+  periodSeconds: 5
+  failureThreshold: 2
+livenessProbe:
+  grpc:
+    port: {{ $port }}
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: 6
+{{- end -}}
+
+{{/* The kubelet probes the plaintext health port (it serves grpc.health.v1 only) */}}
+{{- define "specpipe.healthIngress" -}}
+{{- if .Values.tls.enabled -}}
+- ports:
+    - port: {{ .Values.tls.healthPort }}
+      protocol: TCP
+{{- end -}}
+{{- end -}}

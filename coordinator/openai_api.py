@@ -1,0 +1,208 @@
+"""The OpenAI-compatible HTTP API (aiohttp, on the coordinator's event loop). A thin shell: requests are
+parsed and answers shaped in coordinator/openai_schema.py; generation is Coordinator.generate, the same path
+as the gRPC API.
+
+    GET  /v1/models, /v1/models/{id}     the served model
+    POST /v1/completions                 raw prompt (text or token ids)
+    POST /v1/chat/completions            messages rendered with the model's chat template
+    GET  /health                         liveness (no token needed)
+
+Streaming answers are server-sent events (`data: {...}` per chunk, then `data: [DONE]`). A client that hangs
+up cancels its generation: the handler is cancelled (handler_cancellation) and the generator is closed, whose
+`finally` cancels the request in the engine.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import ssl
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any
+
+import structlog
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from services.logs import get_logger
+
+from coordinator.openai_schema import (ApiError, OpenAIRequest, chunk, completion, from_generation_error,
+                                       parse_chat, parse_completion, usage)
+from coordinator.requests import InvalidRequest
+from coordinator.service import Chunk, Coordinator, GenerationFailed
+
+log = get_logger(__name__)
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+def served_model_name(model: str) -> str:
+    """The model id clients name: 'default', or the model folder's name."""
+    return Path(model.rstrip("/")).name or model
+
+
+class OpenAIServer:
+    """Serves the OpenAI-compatible API for one Coordinator. `token`: the bearer token required on /v1
+    (empty: open); `tls`: (cert, key) PEM files to serve HTTPS; `grace_s`: how long stop() lets running
+    requests finish before they are cancelled."""
+
+    def __init__(self, coordinator: Coordinator, model_name: str = "", token: str = "",
+                 tls: tuple[str, str] | None = None, grace_s: float = 10.0) -> None:
+        self.coordinator = coordinator
+        self.model = model_name or served_model_name(coordinator.config.model)
+        self._expected = f"Bearer {token}".encode() if token else None
+        self._tls = tls
+        self.app = web.Application(middlewares=[self._middleware], client_max_size=MAX_BODY_BYTES)
+        self.app.add_routes([web.get("/v1/models", self.models), web.get("/v1/models/{model:.+}", self.model_info),
+                             web.post("/v1/completions", self.completions),
+                             web.post("/v1/chat/completions", self.chat_completions),
+                             web.get("/health", self.health)])
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=grace_s)
+        self.port = 0
+        self.scheme = "https" if tls else "http"
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on host:port (0: a free port); returns the port."""
+        await self._runner.setup()
+        context = None
+        if self._tls:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(*self._tls)
+        site = web.TCPSite(self._runner, host, port, ssl_context=context)
+        await site.start()
+        self.port = int(self._runner.addresses[-1][1])      # the bound port, also when port was 0
+        log.info("openai api serving", host=host, port=self.port, model=self.model, tls=bool(self._tls))
+        return self.port
+
+    async def stop(self) -> None:
+        """Stop accepting, let running requests finish within grace_s, then cancel the rest."""
+        await self._runner.cleanup()
+
+    # -- plumbing -------------------------------------------------------------------------------------
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            if self._expected is not None and request.path.startswith("/v1"):
+                got = request.headers.get("Authorization", "").encode()
+                if not hmac.compare_digest(got, self._expected):
+                    raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <token>')",
+                                   code="invalid_api_key")
+            return await handler(request)
+        except ApiError as e:
+            return web.json_response(e.body(), status=e.status)
+        except web.HTTPException as e:        # the router's 404 / 405, in OpenAI's shape
+            if e.status < 400:
+                raise
+            message = f"Invalid URL ({request.method} {request.path})" if e.status == 404 else e.reason
+            return web.json_response(ApiError(e.status, message).body(), status=e.status)
+        except Exception as e:                 # noqa: BLE001 - any bug answers 500, the server stays up
+            log.exception("openai api request failed", path=request.path)
+            return web.json_response(ApiError(500, f"internal error: {e}", "server_error").body(), status=500)
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            body = json.loads(await request.read())
+        except (ValueError, UnicodeDecodeError):
+            raise ApiError(400, "the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        return body
+
+    # -- routes ---------------------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    def _model_object(self) -> dict[str, Any]:
+        return {"id": self.model, "object": "model", "created": 0, "owned_by": "specpipe"}
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_object()]})
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        if request.match_info["model"] != self.model:
+            raise ApiError(404, f"The model '{request.match_info['model']}' does not exist", param="model",
+                           code="model_not_found")
+        return web.json_response(self._model_object())
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = parse_completion(await self._body(request), self.model)
+        return await self._generate(request, req, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        req = parse_chat(await self._body(request), self.model, self.coordinator.encoder.encode_chat)
+        return await self._generate(request, req, chat=True)
+
+    # -- generation -----------------------------------------------------------------------------------
+    async def _generate(self, request: web.Request, req: OpenAIRequest, chat: bool) -> web.StreamResponse:
+        rid = uuid.uuid4().hex[:16]
+        req.inp.request_id = rid
+        oid = f"{'chatcmpl' if chat else 'cmpl'}-{rid}"
+        with structlog.contextvars.bound_contextvars(request_id=rid):
+            gen = self.coordinator.generate(req.inp)
+            async with aclosing(gen):        # closed on every exit: the engine cancels an unfinished request
+                try:
+                    first = await anext(gen)
+                    if not req.stream:
+                        chunks = [first] + [c async for c in gen]
+                        return web.json_response(self._whole(chunks, req, oid, chat))
+                except (InvalidRequest, GenerationFailed) as e:
+                    raise from_generation_error(e) from None
+                return await self._stream(request, first, gen, req, oid, chat)
+
+    def _whole(self, chunks: list[Chunk], req: OpenAIRequest, oid: str, chat: bool) -> dict[str, Any]:
+        ids = [t for c in chunks for t in c.token_ids]
+        last = chunks[-1]
+        use = usage(int((last.stats or {}).get("prompt_tokens", 0)), len(ids))
+        return completion(chat, oid, int(time.time()), self.model, "".join(c.text for c in chunks),
+                          last.finish_reason, use, ids if req.return_token_ids else None)
+
+    async def _stream(self, request: web.Request, first: Chunk, gen: AsyncIterator[Chunk], req: OpenAIRequest,
+                      oid: str, chat: bool) -> web.StreamResponse:
+        """Server-sent events, one per chunk with text (or token ids, when asked for); errors after the
+        headers went out are sent as an {"error": ...} event."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        created, n_ids = int(time.time()), 0
+
+        async def send(obj: dict[str, Any] | str) -> None:
+            data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+            await resp.write(f"data: {data}\n\n".encode())
+
+        def event(text: str, reason: str | None = None, delta: dict[str, str] | None = None,
+                  ids: list[int] | None = None) -> dict[str, Any]:
+            return chunk(chat, oid, created, self.model, delta, text, reason, req.include_usage,
+                         ids if req.return_token_ids else None)
+
+        try:
+            if chat:
+                await send(event("", delta={"role": "assistant", "content": ""}))
+            c = first
+            while True:
+                n_ids += len(c.token_ids)
+                if c.finish_reason:
+                    if chat and c.text:           # the held-back tail, then the finish on its own
+                        await send(event(c.text, ids=c.token_ids))
+                        await send(event("", c.finish_reason, ids=[]))
+                    else:
+                        await send(event(c.text, c.finish_reason, ids=c.token_ids))
+                    if req.include_usage:
+                        prompt_tokens = int((c.stats or {}).get("prompt_tokens", 0))
+                        await send({**event(""), "choices": [], "usage": usage(prompt_tokens, n_ids)})
+                    break
+                if c.text or req.return_token_ids:
+                    await send(event(c.text, ids=c.token_ids))
+                c = await anext(gen)
+        except (InvalidRequest, GenerationFailed) as e:
+            log.warning("generation failed mid-stream", error=str(e))
+            await send(from_generation_error(e).body())
+        except ConnectionError:             # the client went away: aclosing() cancels the generation
+            log.info("client disconnected")
+            return resp
+        except Exception as e:              # noqa: BLE001 - the headers are out: report it in the stream
+            log.exception("openai api stream failed")
+            await send(ApiError(500, f"internal error: {e}", "server_error").body())
+        await send("[DONE]")
+        await resp.write_eof()
+        return resp

@@ -1,0 +1,164 @@
+"""Stage failure recovery: the client's stream pauses, then goes on, every token exactly once.
+
+When the pipeline breaks (coordinator/drivers/grpc.py: a stream of a stage ends or fails, or a stage stops
+answering health checks), `Recovery` runs:
+1. the failed pipeline is dropped and the engine suspended (Engine.suspend): new requests wait in the
+   admission queue, the tokens already committed reach their clients, the speculation in flight is lost;
+2. wait until every stage answers again — the same process, a restarted one (`specpipe local` restarts
+   dead stage processes) or a replacement pod with the same index and DNS name — for at most
+   `--recovery-timeout-s`;
+3. release, on every stage, the requests the failed pipeline may still hold; a stage that came back with
+   other layers than the partition needs (a pod restarted from its start-up arguments after a re-partition)
+   is re-configured with the even split (coordinator/scaling.py);
+4. open a new pipeline and re-run every request from its prompt plus the tokens already streamed
+   (Engine.restart) — greedy and seeded sampling give the same continuation a run without the failure gives.
+If the stages are not back in time, every running request ends with UNAVAILABLE (what it streamed stays
+valid) and new ones are refused with UNAVAILABLE, while recovery keeps trying in the background; once the
+stages are back the coordinator serves again.
+
+    failure at t=0 (stage 2 killed) -> suspended -> t=3.1 s all stages answer -> releases -> re-run 5 requests
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+from prometheus_client import Counter
+
+from protos import stage_pb2, stage_pb2_grpc
+from services.logs import get_logger
+from services.tls import TLSFiles, open_channel
+from services.wire import control_to_proto
+from services.batch import Control
+
+from coordinator.drivers.grpc import PipelineError
+from coordinator.scaling import configure, plan
+
+log = get_logger(__name__)
+FAILURES = Counter("specpipe_stage_failures_total", "Pipeline failures by outcome of the recovery",
+                   ["outcome"])
+RECOVERED = Counter("specpipe_stage_failures_recovered_total",
+                    "Requests re-run on a recovered pipeline after a stage failure")
+
+
+class Recovery:
+    """Owns the coordinator's pipeline while it recovers; attach() makes the engine call it on failure."""
+
+    def __init__(self, coordinator, timeout_s: float, retry_s: float = 0.5) -> None:
+        self.coordinator = coordinator
+        self.timeout_s = timeout_s
+        self.retry_s = retry_s
+        self._task: asyncio.Task | None = None
+        self._addresses: list[str] = []
+
+    def attach(self) -> None:
+        self.coordinator.engine.on_failure = self.trigger
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def trigger(self, error: BaseException) -> None:
+        if self.running:
+            return
+        self._task = asyncio.get_running_loop().create_task(self._recover(error))
+
+    def retarget(self, addresses: list[str]) -> None:
+        """A re-partition arrived while recovering (say `kubectl scale` removed the failed stage): recover
+        onto these stages instead (re-configured with the even split)."""
+        self._addresses = list(addresses)
+
+    async def wait(self) -> None:
+        """Until the recovery in progress (if any) has ended."""
+        if self._task is not None:
+            await asyncio.wait([self._task])
+
+    async def close(self) -> None:
+        if self.running:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _recover(self, error: BaseException) -> None:
+        c, engine = self.coordinator, self.coordinator.engine
+        if c.pipeline is None:
+            return
+        lock = c.pipeline_lock
+        if lock.locked():       # a re-partition owns the pipeline: it cannot drain a broken one
+            log.error("stage failure during a re-partition: failing the running requests", error=str(error))
+            engine.fail_running(f"a stage failed during a re-partition: {error}")
+            FAILURES.labels("failed").inc()
+            return
+        async with lock:
+            started = time.monotonic()
+            old, c.pipeline = c.pipeline, None
+            log.warning("stage failure: recovering", error=str(error), running=len(engine.admission.active),
+                        timeout_s=self.timeout_s)
+            await old.abort()
+            orphans = await engine.suspend()
+            self._addresses = list(old.addresses)
+            gave_up, attempt = False, 0
+            while True:
+                left = self.timeout_s - (time.monotonic() - started)
+                try:
+                    pipeline = await self._reconnect(self._addresses, orphans, max(1.0, left) if not gave_up else 5.0)
+                    break
+                except (PipelineError, grpc.aio.AioRpcError, OSError) as e:
+                    attempt += 1
+                    why = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+                    if not gave_up and time.monotonic() - started >= self.timeout_s:
+                        gave_up = True
+                        FAILURES.labels("gave_up").inc()
+                        log.error("stages not back: failing the running requests", seconds=self.timeout_s,
+                                  error=why)
+                        engine.fail_running(f"a pipeline stage failed and did not come back within "
+                                            f"{self.timeout_s:.0f} s ({why}); retry later")
+                    elif attempt == 1 or attempt % 20 == 0:
+                        log.info("waiting for the stages", error=why, attempt=attempt)
+                    await asyncio.sleep(self.retry_s)
+            c.pipeline = pipeline
+            rerun = await engine.restart(pipeline, c.kv_slots(pipeline))
+            RECOVERED.inc(rerun)
+            if not gave_up:
+                FAILURES.labels("recovered").inc()
+            log.warning("pipeline recovered", seconds=round(time.monotonic() - started, 2), rerun=rerun,
+                        released=len(orphans))
+
+    async def _reconnect(self, addresses: list[str], orphans: set[str], timeout_s: float):
+        c = self.coordinator
+        tls = c.config.tls
+        if not addresses:
+            raise PipelineError("no stages")
+        infos = await asyncio.gather(*(_info(a, tls, timeout_s) for a in addresses))
+        await asyncio.gather(*(release(a, sorted(orphans), tls, timeout_s) for a in addresses))
+        if _covers_wrongly(infos, c.num_layers):
+            log.warning("a stage came back with other layers: re-configuring the pipeline")
+            await asyncio.gather(*(configure(p, tls=tls) for p in plan(addresses, c.num_layers)))
+        return await c.open_pipeline(addresses)
+
+
+def _covers_wrongly(infos: list[stage_pb2.StageInfo], num_layers: int) -> bool:
+    expected = 0
+    for info in infos:
+        if info.first_layer != expected:
+            return True
+        expected = info.last_layer
+    return expected != num_layers
+
+
+async def _info(address: str, tls: TLSFiles | None, timeout_s: float) -> stage_pb2.StageInfo:
+    async with open_channel(address, tls) as channel:
+        return await stage_pb2_grpc.StageStub(channel).Info(stage_pb2.InfoRequest(), timeout=timeout_s,
+                                                             wait_for_ready=True)
+
+
+async def release(address: str, request_ids: list[str], tls: TLSFiles | None, timeout_s: float) -> None:
+    """Release requests on one stage and wait until it has applied the releases (unknown ids are harmless)."""
+    if not request_ids:
+        return
+    async with open_channel(address, tls) as channel:
+        call = stage_pb2_grpc.StageStub(channel).Control(timeout=timeout_s, wait_for_ready=True)
+        for rid in request_ids:
+            await call.write(control_to_proto(Control(rid, release=True)))
+        await call.done_writing()
+        await call

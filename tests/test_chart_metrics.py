@@ -1,0 +1,124 @@
+"""The chart's metrics wiring: every pod serves Prometheus metrics on a port named `metrics` (container,
+Service, `--metrics-port` argument our CLI parses), the ServiceMonitor selects the coordinator's and the
+stages' Services, the stages' NetworkPolicies let the scrape in, and `metrics.enabled=false` removes it all.
+Rendered with the pinned helm (tests/test_chart.py)."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from test_chart import CHART, K8S_VERSION, by_kind, helm, one, render
+
+MONITORED = ["serviceMonitor.enabled=true", "stages.replicas=3", "stages.metricsPort=9400",
+             "coordinator.metricsPort=9500",
+             "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.kubernetes\\.io/metadata\\.name=monitoring"]
+
+
+def container(obj: dict) -> dict:
+    return obj["spec"]["template"]["spec"]["containers"][0]
+
+
+def named_ports(ports: list[dict]) -> dict[str, int]:
+    return {p["name"]: p.get("containerPort", p.get("port")) for p in ports}
+
+
+def selects(selector: dict, labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector (matchLabels, matchExpressions In/NotIn/Exists/DoesNotExist)."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        has, value = e["key"] in labels, labels.get(e["key"])
+        ok = {"In": has and value in e.get("values", []), "NotIn": not has or value not in e.get("values", []),
+              "Exists": has, "DoesNotExist": not has}[e["operator"]]
+        if not ok:
+            return False
+    return True
+
+
+def test_every_pod_serves_metrics_on_a_named_port_by_default():
+    objs = render()
+    stage, coord = container(one(objs, "StatefulSet")), container(one(objs, "Deployment"))
+    assert named_ports(stage["ports"]) == {"grpc": 50061, "metrics": 9090}
+    assert named_ports(coord["ports"]) == {"grpc": 50051, "http": 8000, "metrics": 9090}
+    assert "--metrics-port=9090" in stage["args"] and "--metrics-port=9090" in coord["args"]
+    services = {s["metadata"]["name"]: s for s in by_kind(objs, "Service")}
+    for name in ("rel-specpipe-stage", "rel-specpipe-coordinator"):
+        metrics = [p for p in services[name]["spec"]["ports"] if p["name"] == "metrics"]
+        assert metrics == [{"name": "metrics", "port": 9090, "targetPort": "metrics", "protocol": "TCP"}]
+
+
+def test_rendered_stage_arguments_turn_metrics_on_in_our_cli(monkeypatch):
+    import socket
+
+    from services.config import StageConfig
+
+    args = container(one(render(*MONITORED), "StatefulSet"))["args"]
+    monkeypatch.setattr(socket, "gethostname", lambda: "rel-specpipe-stage-1")
+    p = argparse.ArgumentParser()
+    StageConfig.add_arguments(p)
+    cpu_args = ["--device=cpu" if a.startswith("--device=") else a for a in args[1:]]     # no GPU here
+    assert StageConfig.from_args(p.parse_args(cpu_args)).metrics_port == 9400
+
+
+def test_service_monitor_scrapes_the_coordinator_and_every_stage():
+    import kubernetes_validate
+
+    objs = render(*MONITORED)
+    for o in objs:
+        if not o["apiVersion"].startswith("monitoring.coreos.com"):     # a CRD: no schema to validate with
+            kubernetes_validate.validate(o, K8S_VERSION, strict=True)
+    monitor = one(objs, "ServiceMonitor")
+    selected = [s for s in by_kind(objs, "Service") if selects(monitor["spec"]["selector"], s["metadata"]["labels"])]
+    assert sorted(s["metadata"]["name"] for s in selected) == ["rel-specpipe-coordinator", "rel-specpipe-stage"]
+    [endpoint] = monitor["spec"]["endpoints"]
+    ports = {s["metadata"]["name"]: {p["name"]: p["port"] for p in s["spec"]["ports"]} for s in selected}
+    assert ports["rel-specpipe-stage"][endpoint["port"]] == 9400
+    assert ports["rel-specpipe-coordinator"][endpoint["port"]] == 9500
+    # the stage Service selects the stage pods, whose container port of that name is the one they serve on
+    stage = container(one(objs, "StatefulSet"))
+    assert named_ports(stage["ports"])["metrics"] == 9400 and "--metrics-port=9400" in stage["args"]
+
+
+def test_network_policies_let_the_scrape_reach_every_stage():
+    objs = render(*MONITORED)
+    policies = by_kind(objs, "NetworkPolicy")
+    assert len(policies) == 4                              # stages 0..2 and the scaled ones
+    for pol in policies:
+        rules = pol["spec"]["ingress"]
+        grpc = [r for r in rules if r["ports"] == [{"port": 50061, "protocol": "TCP"}]]
+        scrape = [r for r in rules if r["ports"] == [{"port": 9400, "protocol": "TCP"}]]
+        assert len(grpc) == 1 and grpc[0]["from"], pol["metadata"]["name"]      # gRPC stays restricted
+        assert scrape == [{"ports": [{"port": 9400, "protocol": "TCP"}],
+                           "from": [{"namespaceSelector": {"matchLabels": {
+                               "kubernetes.io/metadata.name": "monitoring"}}}]}], pol["metadata"]["name"]
+    # without metricsFrom, any pod may scrape (a rule with ports and no `from`)
+    for pol in by_kind(render("stages.replicas=2"), "NetworkPolicy"):
+        assert {"ports": [{"port": 9090, "protocol": "TCP"}]} in pol["spec"]["ingress"]
+
+
+def test_metrics_disabled_leaves_no_port_argument_or_rule():
+    objs = render("metrics.enabled=false", "stages.replicas=2")
+    for workload in (one(objs, "StatefulSet"), one(objs, "Deployment")):
+        c = container(workload)
+        assert "metrics" not in named_ports(c["ports"])
+        assert not [a for a in c["args"] if a.startswith("--metrics-port")]
+    for svc in by_kind(objs, "Service"):
+        assert "metrics" not in {p["name"] for p in svc["spec"]["ports"]}
+    for pol in by_kind(objs, "NetworkPolicy"):
+        assert len(pol["spec"]["ingress"]) == 1
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["metrics.enabled=false", "serviceMonitor.enabled=true"], "serviceMonitor.enabled needs metrics.enabled"),
+    (["stages.metricsPort=50061"], "stages.metricsPort must differ from stages.port"),
+    (["stages.metricsPort=0"], "minimum"),
+    (["metrics.port=9090"], "additional properties"),
+    (["networkPolicy.metricsFrom=all"], "networkPolicy/metricsFrom"),
+])
+def test_bad_metrics_values_are_refused(sets, message):
+    args = ["template", "rel", str(CHART)]
+    for s in sets:
+        args += ["--set", s]
+    out = helm(*args, check=False)
+    assert out.returncode != 0 and message in out.stderr, out.stderr

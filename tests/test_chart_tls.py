@@ -1,0 +1,152 @@
+"""TLS in the Helm chart: mutual TLS on the internal hops from a Secret (optionally a cert-manager Certificate),
+TLS and a bearer token on the public API, kubelet probes on a plaintext health-only port. The certificate's
+names are checked with a real gRPC handshake against the DNS names the chart gives the stages."""
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos import stage_pb2, stage_pb2_grpc
+from services.config import MiB
+from services.grpc_server import Server
+from services.server import SERVICE_NAME
+from services.tls import TLSFiles
+from stage_servers import stage_servers
+from test_chart import by_kind, helm, one, render, CHART, K8S_VERSION
+from test_tls import make_ca, write
+
+TLS = ["tls.enabled=true", "tls.certManager.enabled=true", "tls.certManager.issuerRef.name=specpipe-ca",
+       "coordinator.apiTlsSecret=api-cert", "coordinator.apiTokenSecret.name=api-token"]
+
+
+def container(objs, kind: str) -> dict:
+    return one(objs, kind)["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_tls_manifests_are_valid_kubernetes():
+    import kubernetes_validate
+    for o in render(*TLS):
+        if o["apiVersion"].startswith(("monitoring.coreos.com", "cert-manager.io")):
+            continue             # CRDs: no schema in kubernetes-validate
+        kubernetes_validate.validate(o, K8S_VERSION, strict=True)
+
+
+def test_tls_reaches_every_pod_and_probes_use_the_health_port():
+    objs = render(*TLS)
+    stage, coord = container(objs, "StatefulSet"), container(objs, "Deployment")
+    files = ["--tls-cert=/etc/specpipe/tls/tls.crt", "--tls-key=/etc/specpipe/tls/tls.key",
+             "--tls-ca=/etc/specpipe/tls/ca.crt"]
+    for c in (stage, coord):
+        assert all(f in c["args"] for f in files)
+        assert "--health-port=50070" in c["args"]
+        assert {m["mountPath"] for m in c["volumeMounts"]} >= {"/etc/specpipe/tls"}
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe]["grpc"]["port"] == 50070, f"{c['name']} {probe} must not probe the TLS port"
+    secrets = {v["secret"]["secretName"] for v in one(objs, "StatefulSet")["spec"]["template"]["spec"]["volumes"]
+               if "secret" in v}
+    assert secrets == {"rel-specpipe-tls"}
+    assert "--api-tls-cert=/etc/specpipe/api-tls/tls.crt" in coord["args"]
+    env = {e["name"]: e for e in coord["env"]}
+    assert env["SPECPIPE_API_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "api-token", "key": "token"}
+    test_pod = one(objs, "Pod")["spec"]["containers"][0]
+    assert "--tls-ca=/etc/specpipe/api-tls/ca.crt" in test_pod["args"]
+    assert test_pod["env"][0]["valueFrom"]["secretKeyRef"]["name"] == "api-token"
+    for policy in by_kind(objs, "NetworkPolicy"):
+        ports = [p["port"] for rule in policy["spec"]["ingress"] for p in rule.get("ports", [])]
+        assert 50070 in ports, "the kubelet must reach the health port"
+
+
+def test_without_tls_nothing_changes():
+    objs = render()
+    stage = container(objs, "StatefulSet")
+    assert not any(a.startswith(("--tls-", "--health-port")) for a in stage["args"])
+    assert stage["readinessProbe"]["grpc"]["port"] == 50061
+    assert not by_kind(objs, "Certificate")
+    coord = container(objs, "Deployment")
+    assert "SPECPIPE_API_TOKEN" not in {e["name"] for e in coord["env"]}
+
+
+def test_cert_manager_needs_an_issuer():
+    out = helm("template", "rel", str(CHART), "--set", "tls.enabled=true", "--set", "tls.certManager.enabled=true",
+               check=False)
+    assert out.returncode != 0 and "issuerRef.name" in out.stderr
+
+
+def _leaf(ca, names: list[str]):
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    ca_key, ca_cert = ca
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
+            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=1)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(n) for n in names]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    return key, cert
+
+
+async def test_the_certificate_names_pass_grpc_hostname_checks_for_the_chart_stage_addresses(tiny_model, tmp_path):
+    """Issue a certificate with exactly the Certificate's dnsNames; a client that dials a stage by the name the
+    chart gives it (--stages / --next-hop) completes the mutual-TLS handshake; another name does not."""
+    from cryptography.hazmat.primitives import serialization
+    objs = render(*TLS)
+    names = one(objs, "Certificate")["spec"]["dnsNames"]
+    ca = make_ca("specpipe-ca")
+    (tmp_path / "ca.crt").write_bytes(ca[1].public_bytes(serialization.Encoding.PEM))
+    cert, key = write(tmp_path, "pod", *_leaf(ca, names))
+    tls = TLSFiles(cert, key, str(tmp_path / "ca.crt"))
+    coord_args = container(objs, "Deployment")["args"]
+    template = next(a for a in coord_args if a.startswith("--stages=")).split("=", 1)[1]
+    async with stage_servers(str(tiny_model), 1, tls=dict(tls_cert=cert, tls_key=key, tls_ca=tls.ca)) as (addrs, _):
+        port = addrs[0].rsplit(":", 1)[1]
+        for host, ok in [(template.replace("{i}", "2").rsplit(":", 1)[0], True),
+                         ("rel-specpipe-stage-2.rel-specpipe-stage", True),
+                         ("rel-specpipe-coordinator", True),
+                         ("rel-specpipe-stage-2.other-stage.ml.svc.cluster.local", False)]:
+            options = [("grpc.ssl_target_name_override", host), ("grpc.default_authority", host)]
+            async with grpc.aio.secure_channel(f"127.0.0.1:{port}", tls.channel_credentials(), options) as ch:
+                call = stage_pb2_grpc.StageStub(ch).Info(stage_pb2.InfoRequest(), timeout=10)
+                if ok:
+                    assert (await call).num_layers_total == 4, host
+                else:
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await call
+                    assert err.value.code() == grpc.StatusCode.UNAVAILABLE, host
+
+
+async def test_health_port_serves_health_alone_in_plaintext(tmp_path):
+    """The main port requires mutual TLS; the health port answers grpc.health.v1 in plaintext and nothing else."""
+    from cryptography.hazmat.primitives import serialization
+    ca = make_ca("specpipe-ca")
+    (tmp_path / "ca.crt").write_bytes(ca[1].public_bytes(serialization.Encoding.PEM))
+    cert, key = write(tmp_path, "pod", *_leaf(ca, ["localhost"]))
+    tls = TLSFiles(cert, key, str(tmp_path / "ca.crt"))
+    server = Server([SERVICE_NAME], 4 * MiB)
+    main = server.bind("127.0.0.1", 0, tls.server_credentials())
+    health = server.bind_health("127.0.0.1", 0)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{health}") as ch:
+            reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME),
+                                                               timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stage_pb2_grpc.StageStub(ch).Info(stage_pb2.InfoRequest(), timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{main}") as ch:
+            with pytest.raises(grpc.aio.AioRpcError):
+                await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        await server.health.enter_graceful_shutdown()             # what a draining pod reports
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{health}") as ch:
+            reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        await server.stop(0)

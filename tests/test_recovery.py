@@ -1,0 +1,167 @@
+"""Stage failure: SIGKILL real stage processes mid-generation; streams pause and go on, exact, exactly once.
+
+The stages are processes as `specpipe local` starts them (coordinator/local.py), supervised (a dead one is
+restarted on its port, as Kubernetes restarts a pod); the coordinator serves the public gRPC API.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+
+import grpc
+import pytest
+
+from coordinator.config import CoordinatorConfig
+from coordinator.local import LocalStages
+from coordinator.server import start
+from protos import generation_pb2, generation_pb2_grpc, stage_pb2, stage_pb2_grpc
+from reference import hf_greedy
+
+PROMPTS = [[5, 6, 7], [40, 41], [100, 3, 9, 27, 60], [200]]
+
+
+async def _stream(stub, prompt: list[int], n: int, method: str) -> tuple[list[int], object]:
+    ids, last = [], None
+    async for m in stub.Generate(generation_pb2.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=n,
+                                                                method=method, ignore_eos=True), timeout=120):
+        ids += m.token_ids
+        last = m
+    return ids, last
+
+
+async def _stage_requests(addresses: list[str]) -> list[int]:
+    held = []
+    for a in addresses:
+        async with grpc.aio.insecure_channel(a) as ch:
+            info = await stage_pb2_grpc.StageStub(ch).Info(stage_pb2.InfoRequest(), timeout=30, wait_for_ready=True)
+            held.append(info.active_requests)
+    return held
+
+
+@pytest.fixture
+async def supervised(tiny_model):
+    stages = LocalStages(3, model=str(tiny_model), stage_time_ms="15")
+    stages.start()
+    supervisor = asyncio.create_task(stages.supervise(poll_s=0.1))
+    try:
+        await stages.wait_ready(timeout_s=180)
+        yield stages
+    finally:
+        supervisor.cancel()
+        await asyncio.gather(supervisor, return_exceptions=True)
+        stages.stop()
+
+
+async def test_sigkilled_stages_are_recovered_and_every_stream_is_exact(supervised, tiny_model, tiny_hf):
+    """10 SIGKILLs of a random stage at a random moment, 5 under pp and 5 under specpipe, 3 streams each."""
+    stages = supervised
+    server, coord = await start(CoordinatorConfig(stages=tuple(stages.addresses), model=str(tiny_model), port=0,
+                                                  recovery_timeout_s=90, probe_interval_s=0.5,
+                                                  draft="ngram", max_new_tokens_cap=128))
+    rng = random.Random(8)
+    want = {tuple(p): hf_greedy(tiny_hf, p, 48) for p in PROMPTS}
+    recovered_rounds = 0
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            for round_ in range(10):
+                method = "pp" if round_ < 5 else "specpipe"
+                prompts = rng.sample(PROMPTS, 3)
+                streams = [asyncio.create_task(_stream(stub, p, 48, method)) for p in prompts]
+                await asyncio.sleep(rng.uniform(0.05, 0.5))
+                victim = rng.randrange(3)
+                os.kill(stages.procs[victim].pid, signal.SIGKILL)
+                results = await asyncio.wait_for(asyncio.gather(*streams), timeout=150)
+                for p, (ids, last) in zip(prompts, results):
+                    assert ids == want[tuple(p)], f"round {round_} ({method}, stage {victim} killed): not exact"
+                    assert last.finish_reason == "length"
+                    assert last.stats.completion_tokens == 48
+                if any(last.stats.counters["recoveries"] for _, last in results):
+                    recovered_rounds += 1
+        assert sum(stages.restarts) == 10
+        assert recovered_rounds >= 7, "most kills should land while the streams run"
+        await asyncio.sleep(0.5)              # releases of the last round travel on the control streams
+        assert await _stage_requests(stages.addresses) == [0, 0, 0], "no request state left on any stage"
+        assert coord.engine.active == 0
+    finally:
+        await server.stop(0)
+        await coord.close()
+
+
+async def test_a_stage_that_does_not_come_back_ends_streams_with_unavailable(tiny_model, tiny_hf):
+    """No supervisor: the stream ends with UNAVAILABLE after the recovery timeout, what it streamed is a
+    prefix of the exact output, new requests are refused; once the stage is back, the coordinator serves."""
+    stages = LocalStages(2, model=str(tiny_model), stage_time_ms="30")
+    stages.start()
+    try:
+        await stages.wait_ready(timeout_s=180)
+        server, coord = await start(CoordinatorConfig(stages=tuple(stages.addresses), model=str(tiny_model),
+                                                      port=0, recovery_timeout_s=2, probe_interval_s=0.5))
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+                stub = generation_pb2_grpc.GenerationStub(ch)
+                got: list[int] = []
+
+                async def consume():
+                    async for m in stub.Generate(generation_pb2.GenerateRequest(
+                            prompt_token_ids=[9, 8, 7], max_new_tokens=100, method="pp", ignore_eos=True)):
+                        got.extend(m.token_ids)
+                task = asyncio.create_task(consume())
+                while len(got) < 3:
+                    await asyncio.sleep(0.02)
+                os.kill(stages.procs[1].pid, signal.SIGKILL)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await asyncio.wait_for(task, timeout=60)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "did not come back" in err.value.details()
+                assert 3 <= len(got) < 100 and got == hf_greedy(tiny_hf, [9, 8, 7], len(got))
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await _stream(stub, [1, 2], 4, "pp")
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+                stages.procs[1] = stages._launch(1, "a")          # the stage comes back late
+                for _ in range(300):
+                    if coord.engine.transport is not None and not coord.engine.unavailable \
+                            and not coord.recovery.running:
+                        break
+                    await asyncio.sleep(0.1)
+                ids, last = await _stream(stub, [1, 2], 6, "specpipe")
+                assert ids == hf_greedy(tiny_hf, [1, 2], 6) and last.finish_reason == "length"
+        finally:
+            await server.stop(0)
+            await coord.close()
+    finally:
+        stages.stop()
+
+
+async def test_a_new_coordinator_releases_what_a_dead_one_left_on_the_stages(tiny_model, tiny_hf):
+    """A coordinator that vanishes mid-request leaves KV on the stages; the next one to connect frees it."""
+    from coordinator.service import Coordinator, GenerateInput
+    from stage_servers import stage_servers
+    async with stage_servers(str(tiny_model), 2, stage_time_ms="20") as (addrs, servicers):
+        config = CoordinatorConfig(stages=tuple(addrs), model=str(tiny_model), recovery_timeout_s=0)
+        first = await Coordinator.connect(config)
+        stream = first.generate(GenerateInput(prompt_token_ids=[3, 4, 5], max_new_tokens=50, method="pp",
+                                              ignore_eos=True))
+        await stream.__anext__()
+        await first.pipeline.abort()                  # gone without a word: no release reaches the stages
+        held = [len(s.runner.cache.requests) for s in servicers]
+        assert held == [1, 1]
+        second = await Coordinator.connect(config)
+        try:
+            for _ in range(100):
+                if not any(s.runner.cache.requests for s in servicers):
+                    break
+                await asyncio.sleep(0.05)
+            assert [len(s.runner.cache.requests) for s in servicers] == [0, 0]
+            out = [t async for c in second.generate(GenerateInput(prompt_token_ids=[3, 4, 5], max_new_tokens=8,
+                                                                  method="specpipe", ignore_eos=True))
+                   for t in c.token_ids]
+            assert out == hf_greedy(tiny_hf, [3, 4, 5], 8)
+        finally:
+            await stream.aclose()
+            await second.close()
+            first.pipeline = None
+            await first.close()
