@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 from services.sampling import GREEDY, Sampling
 
+# Below this, logits / temperature overflows float32 to inf and the warped distribution becomes NaN.
+MIN_TEMPERATURE = 1e-5
+
 
 class InvalidRequest(ValueError):
     """The request cannot be served as asked; the message says what is wrong."""
@@ -57,6 +60,8 @@ def check(prompt_ids: list[int], max_new_tokens: int | None, method: str, method
         sampling.check()
     except ValueError as e:
         raise InvalidRequest(str(e)) from None
+    if 0.0 < temperature < MIN_TEMPERATURE:
+        raise InvalidRequest(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {temperature:g}")
     if not sampling.greedy and not seed:
         sampling = Sampling(temperature, top_p, top_k, secrets.randbelow((1 << 53) - 1) + 1)
     if any(len(s) > 256 for s in stop) or len(stop) > 16:

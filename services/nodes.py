@@ -55,8 +55,7 @@ class NodeTable:
     # -- data plane ---------------------------------------------------------------------------------
     def admit(self, node_id: int, parent_id: int, position: int) -> Admit:
         """Check one incoming row and, if it is live, hold it. Raises ProtocolError on bad input."""
-        if node_id < 0:
-            raise ProtocolError(f"node id {node_id} is negative")
+        _check_id(node_id)
         if node_id in self.nodes:
             raise ProtocolError(f"node {node_id} is already held")
         if node_id in self.tombstones:
@@ -102,38 +101,64 @@ class NodeTable:
         return -1, path
 
     # -- control plane ------------------------------------------------------------------------------
+    def check_control(self, commit: list[int], prune: list[int]) -> None:
+        """Raise ProtocolError if commit(commit) then prune(prune) would fail; changes nothing."""
+        self._check_commit(commit)
+        self._doomed(prune, committing={i for i in commit if i in self.nodes})
+
     def commit(self, ids: list[int]) -> None:
+        """Mark nodes committed (remembered until their row arrives when not held yet). All or nothing:
+        raises ProtocolError, changing nothing, for a negative id or a pruned node."""
+        self._check_commit(ids)
         for node_id in ids:
             node = self.nodes.get(node_id)
             if node is None:
-                if node_id in self.tombstones:
-                    raise ProtocolError(f"cannot commit pruned node {node_id}")
                 self.pending_commit.add(node_id)
                 continue
             node.committed = True
             self.tip_position = max(self.tip_position, node.position)
 
     def prune(self, ids: list[int]) -> list[int]:
-        """Kill nodes and their held subtrees; return the held node ids that were freed."""
+        """Kill nodes and their held subtrees; return the held node ids that were freed. All or nothing:
+        raises ProtocolError, changing nothing, for a negative id or when a committed node would die."""
         freed: list[int] = []
+        for node_id in self._doomed(ids):
+            self.tombstones.add(node_id)
+            self.pending_commit.discard(node_id)
+            node = self.nodes.pop(node_id, None)
+            if node is None:
+                continue
+            freed.append(node_id)
+            parent = self.nodes.get(node.parent)
+            if parent is not None:
+                parent.children.remove(node_id)
+        return freed
+
+    def _check_commit(self, ids: list[int]) -> None:
+        for node_id in ids:
+            _check_id(node_id)
+            if node_id not in self.nodes and node_id in self.tombstones:
+                raise ProtocolError(f"cannot commit pruned node {node_id}")
+
+    def _doomed(self, ids: list[int], committing: set[int] | frozenset[int] = frozenset()) -> list[int]:
+        """The ids prune(ids) tombstones — the named nodes and their held descendants not yet tombstoned —
+        parents before children; raises ProtocolError when one of them is committed (or in `committing`)."""
+        doomed: list[int] = []
+        seen: set[int] = set()
         stack = list(ids)
         while stack:
             node_id = stack.pop()
-            if node_id in self.tombstones:
+            if node_id in self.tombstones or node_id in seen:
                 continue
+            _check_id(node_id)
+            seen.add(node_id)
             node = self.nodes.get(node_id)
-            if node is not None and node.committed:
-                raise ProtocolError(f"cannot prune committed node {node_id}")
-            self.tombstones.add(node_id)
-            self.pending_commit.discard(node_id)
-            if node is None:
-                continue
-            del self.nodes[node_id]
-            freed.append(node_id)
-            stack.extend(node.children)
-            if node.parent in self.nodes:
-                self.nodes[node.parent].children.remove(node_id)
-        return freed
+            if node is not None:
+                if node.committed or node_id in committing:
+                    raise ProtocolError(f"cannot prune committed node {node_id}")
+                stack.extend(node.children)
+            doomed.append(node_id)
+        return doomed
 
     # -- queries ------------------------------------------------------------------------------------
     def _anchor_position(self, parent_id: int) -> int:
@@ -147,3 +172,8 @@ class NodeTable:
     @property
     def live_count(self) -> int:
         return len(self.nodes) - self.committed_count
+
+
+def _check_id(node_id: int) -> None:
+    if node_id < 0:
+        raise ProtocolError(f"node id {node_id} is negative")

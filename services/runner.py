@@ -9,6 +9,7 @@ every micro-batch it injected.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -40,13 +41,17 @@ class StageRunner:
 
     # -- control plane ------------------------------------------------------------------------------
     def apply(self, msg: Control) -> None:
-        """Apply commit, then prune, then release. Raises ProtocolError for impossible requests."""
+        """Apply commit, then prune, then release. Raises ProtocolError for impossible requests (then the
+        request's state is as before the message)."""
+        if not msg.request_id:
+            raise ProtocolError("control message without request id")
         if msg.release:
             self.cache.release(msg.request_id)
             return
         kv = self.cache.get(msg.request_id, create=True)
         if kv is None:
             return   # already released: late control messages are harmless
+        kv.table.check_control(msg.commit, msg.prune)      # all or nothing
         if msg.commit:
             kv.commit(msg.commit)
         if msg.prune:
@@ -63,12 +68,16 @@ class StageRunner:
         keep_rows: list[int] = []
         plans: list[AttendPlan] = []
         offset = 0
+        repeated = {rid: n for rid, n in Counter(s.request_id for s in batch.segments).items() if n > 1}
         for seg in batch.segments:
             seg_offset, offset = offset, offset + seg.rows
             if seg.error:
                 out_segments.append(seg)
                 continue
             try:
+                if seg.request_id in repeated:
+                    raise ProtocolError(f"request {seg.request_id} has {repeated[seg.request_id]} segments in "
+                                        "one micro-batch; its rows belong in one segment")
                 kept_seg, kept_idx, slots, kv = self._admit(seg)
             except ProtocolError as e:
                 self.cache.release(seg.request_id)

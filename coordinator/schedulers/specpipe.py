@@ -50,6 +50,9 @@ class SpecPipeScheduler(BatchingScheduler):
         self.trees: dict[str, TokenTree] = {}
         self.pending: dict[str, list[int]] = {}      # request -> injected nodes the draft must expand
         self.begun: set[str] = set()                 # requests whose prompt the draft has seen
+        # committed nodes whose rows the draft never computed (a miss at a root whose result came back before
+        # the draft expanded it): they go in front of the request's next draft call, parents first
+        self.unseen: dict[str, list[DraftNode]] = {}
 
     @property
     def kv_rows_per_batch(self) -> int:
@@ -113,6 +116,7 @@ class SpecPipeScheduler(BatchingScheduler):
         rid = state.request.request_id
         self.trees.pop(rid, None)
         self.pending.pop(rid, None)
+        self.unseen.pop(rid, None)
         if rid in self.begun:
             self.begun.discard(rid)
             self.draft.release(rid)
@@ -134,6 +138,10 @@ class SpecPipeScheduler(BatchingScheduler):
                 state.count("misses")
                 proposed = any(tree.nodes[c].token == token for c in tree.root_node.children)
                 state.count("misses_proposed_not_injected" if proposed else "misses_not_proposed")
+                root = tree.root_node
+                if not root.expanded:        # the bonus's parent must reach the draft before the bonus
+                    self.unseen.setdefault(rid, []).append(DraftNode(root.id, state.root_parent, root.depth,
+                                                                     root.token))
                 node, pruned = tree.restart(token)
             if pruned:
                 self.draft.prune(rid, pruned)
@@ -209,21 +217,23 @@ class SpecPipeScheduler(BatchingScheduler):
         jobs = [(rid, nodes) for rid, nodes in jobs if nodes]
         if not jobs:
             return
-        draft_jobs = []
+        draft_jobs, skip = [], []
         for rid, nodes in jobs:
             state, tree = self.requests[rid], self.trees[rid]
             parent_of_root = state.root_parent
-            draft_jobs.append((rid, [DraftNode(n.id, parent_of_root if n.id == tree.root else n.parent,
-                                               n.depth, n.token) for n in nodes]))
+            unseen = self.unseen.pop(rid, [])
+            skip.append(len(unseen))
+            draft_jobs.append((rid, unseen + [DraftNode(n.id, parent_of_root if n.id == tree.root else n.parent,
+                                                        n.depth, n.token) for n in nodes]))
         results = self._timed([self.requests[rid] for rid, _ in jobs],
                               lambda: self.draft.expand_many(draft_jobs, self.topk),
                               weights=[len(nodes) for _, nodes in jobs])
-        for (rid, nodes), proposals in zip(jobs, results):
+        for (rid, nodes), proposals, extra in zip(jobs, results, skip):
             if isinstance(proposals, Exception):
                 self._draft_failed(self.requests[rid], proposals)
                 continue
             keep_q = self._rejection(self.requests[rid])
-            for n, props in zip(nodes, proposals):
+            for n, props in zip(nodes, proposals[extra:]):
                 self.trees[rid].add_children(n.id, props)
                 if keep_q:
                     n.q = self.draft.take_q(rid, n.id)
