@@ -19,7 +19,12 @@ from services.kv_cache import slots_allocated
 
 
 class Overloaded(RuntimeError):
-    """The server cannot take this request now (queue full) or ever (too large for the KV limit)."""
+    """The server cannot take this request now (queue full; `retryable`) or ever (too large for the KV
+    limit; not retryable)."""
+
+    def __init__(self, message: str, retryable: bool = True) -> None:
+        super().__init__(message)
+        self.retryable = retryable
 
 
 def kv_need(prompt_tokens: int, max_new_tokens: int, num_stages: int, tree_rows: int) -> int:
@@ -56,7 +61,7 @@ class Admission:
         if self.kv_slots is not None and need > self.kv_slots:
             raise Overloaded(f"the request needs {need} KV slots per stage (prompt, max_new_tokens and "
                              f"speculation headroom), more than the {self.kv_slots} a stage holds; "
-                             "ask for fewer tokens")
+                             "ask for fewer tokens", retryable=False)
         if not self.queue and self._fits(need):
             self.active[rid] = need
             return True

@@ -139,6 +139,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the call is given up")
     p.add_argument("--tls-ca", default=os.environ.get("SPECPIPE_API_TLS_CA", ""),
                    help="connect over TLS, trusting this CA bundle (PEM)")
+    p.add_argument("--insecure", action="store_true",
+                   help="send --token without TLS to another machine (only on a trusted network)")
     p.add_argument("--token", default=os.environ.get("SPECPIPE_API_TOKEN", ""),
                    help="bearer token of the API (prefer the SPECPIPE_API_TOKEN environment variable)")
 
@@ -356,7 +358,8 @@ def cmd_generate(args) -> int:
     options = dict(raw=args.raw, method=args.method, max_new_tokens=args.max_new_tokens,
                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                    stop=args.stop, ignore_eos=args.ignore_eos)
-    with Client(args.addr, tls_ca=args.tls_ca or None, token=args.token or None, timeout=args.timeout) as client:
+    with Client(args.addr, tls_ca=args.tls_ca or None, token=args.token or None, timeout=args.timeout,
+                insecure=args.insecure) as client:
         stream = client.generate(args.prompt, **options)
         printed = False
         try:

@@ -33,7 +33,8 @@ Text deltas never split a UTF-8 character and never show a stop string; a token 
 yields nothing (its id is in ``stream.token_ids`` at once). Every failure of a call -- refused by the server,
 unreachable server, deadline passed -- raises `SpecPipeError`; bad option values raise ValueError or TypeError
 before anything is sent. TLS: `tls_ca` (a PEM CA bundle the server's certificate must chain to); `token`: the
-API's bearer token (sent as ``authorization: Bearer <token>``).
+API's bearer token (sent as ``authorization: Bearer <token>``; only over TLS or to this machine unless
+``insecure=True``).
 """
 from __future__ import annotations
 
@@ -196,11 +197,32 @@ class _Tally:
         return self.result
 
 
-class Generation:
+class _Stream:
+    """What both kinds of streaming call offer besides iteration."""
+
+    def __init__(self, call: Any, addr: str) -> None:
+        self._call, self._tally = call, _Tally(addr)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens received so far."""
+        return list(self._tally.token_ids)
+
+    @property
+    def result(self) -> Completion:
+        """The Completion; RuntimeError before the stream has ended."""
+        return self._tally.completion()
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class Generation(_Stream):
     """One streaming call: iterate for the text deltas; `result` once it has ended; `cancel()` to stop early."""
 
     def __init__(self, call: Any, addr: str) -> None:
-        self._call, self._messages, self._tally = call, iter(call), _Tally(addr)
+        super().__init__(call, addr)
+        self._messages = iter(call)
 
     def __iter__(self) -> "Generation":
         return self
@@ -217,25 +239,9 @@ class Generation:
             if self._tally.feed(msg):
                 return msg.text
 
-    @property
-    def token_ids(self) -> list[int]:
-        """The tokens received so far."""
-        return list(self._tally.token_ids)
 
-    @property
-    def result(self) -> Completion:
-        """The Completion; RuntimeError before the stream has ended."""
-        return self._tally.completion()
-
-    def cancel(self) -> None:
-        self._call.cancel()
-
-
-class AsyncGeneration:
+class AsyncGeneration(_Stream):
     """One streaming call under asyncio: ``async for`` the text deltas; `result` once it has ended."""
-
-    def __init__(self, call: Any, addr: str) -> None:
-        self._call, self._tally = call, _Tally(addr)
 
     def __aiter__(self) -> "AsyncGeneration":
         return self
@@ -252,17 +258,6 @@ class AsyncGeneration:
             if self._tally.feed(msg):
                 return msg.text
 
-    @property
-    def token_ids(self) -> list[int]:
-        return list(self._tally.token_ids)
-
-    @property
-    def result(self) -> Completion:
-        return self._tally.completion()
-
-    def cancel(self) -> None:
-        self._call.cancel()
-
 
 def _credentials(tls_ca: str | None) -> grpc.ChannelCredentials | None:
     if not tls_ca:
@@ -271,17 +266,25 @@ def _credentials(tls_ca: str | None) -> grpc.ChannelCredentials | None:
     return TLSFiles(ca=tls_ca).channel_credentials()
 
 
-def _metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
-    return (("authorization", f"Bearer {token}"),) if token else None
+def _metadata(token: str | None, addr: str, tls_ca: str | None,
+              insecure: bool) -> tuple[tuple[str, str], ...] | None:
+    """The bearer token, sent only over TLS, to this machine, or when the caller says `insecure`."""
+    if not token:
+        return None
+    host = addr.rsplit(":", 1)[0].strip("[]") if ":" in addr else addr
+    if not tls_ca and not insecure and host not in ("localhost", "127.0.0.1", "::1"):
+        raise ValueError(f"refusing to send the API token in plaintext to {addr}: give tls_ca (the server's CA), "
+                         "or insecure=True if the network is trusted")
+    return (("authorization", f"Bearer {token}"),)
 
 
 class Client:
     """A blocking client; one channel, reused by every call; thread-safe. Close it (or use `with`)."""
 
     def __init__(self, addr: str = DEFAULT_ADDR, tls_ca: str | None = None, token: str | None = None,
-                 timeout: float = DEFAULT_TIMEOUT_S) -> None:
+                 timeout: float = DEFAULT_TIMEOUT_S, insecure: bool = False) -> None:
         self.addr, self.timeout = addr, timeout
-        self._metadata = _metadata(token)
+        self._metadata = _metadata(token, addr, tls_ca, insecure)
         creds = _credentials(tls_ca)
         self._channel = grpc.secure_channel(addr, creds) if creds else grpc.insecure_channel(addr)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
@@ -313,9 +316,9 @@ class AsyncClient:
     """The asyncio client; its channel opens on the first call (inside the running event loop)."""
 
     def __init__(self, addr: str = DEFAULT_ADDR, tls_ca: str | None = None, token: str | None = None,
-                 timeout: float = DEFAULT_TIMEOUT_S) -> None:
+                 timeout: float = DEFAULT_TIMEOUT_S, insecure: bool = False) -> None:
         self.addr, self.timeout = addr, timeout
-        self._metadata = _metadata(token)
+        self._metadata = _metadata(token, addr, tls_ca, insecure)
         self._creds = _credentials(tls_ca)
         self._channel: grpc.aio.Channel | None = None
         self._stub: generation_pb2_grpc.GenerationStub | None = None

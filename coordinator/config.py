@@ -137,9 +137,11 @@ class CoordinatorConfig:
                        default=float(os.environ.get("SPECPIPE_RECOVERY_TIMEOUT_S", cls.recovery_timeout_s)),
                        help="after a stage failure, wait this long for it (or its replacement) to come back "
                             "and resume every stream; then end them with UNAVAILABLE (0: at once)")
-        p.add_argument("--probe-interval-s", type=float, default=cls.probe_interval_s,
+        p.add_argument("--probe-interval-s", type=float,
+                       default=float(os.environ.get("SPECPIPE_PROBE_INTERVAL_S", cls.probe_interval_s)),
                        help="health-check every stage this often (0 = off)")
-        p.add_argument("--probe-timeout-s", type=float, default=cls.probe_timeout_s,
+        p.add_argument("--probe-timeout-s", type=float,
+                       default=float(os.environ.get("SPECPIPE_PROBE_TIMEOUT_S", cls.probe_timeout_s)),
                        help="a stage that does not answer a health check within this has failed")
 
     @classmethod

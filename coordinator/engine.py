@@ -17,7 +17,6 @@ import asyncio
 import itertools
 import time
 import uuid
-from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Protocol
 
@@ -26,10 +25,12 @@ from services.logs import get_logger
 from services.sampling import GREEDY, Sampling
 
 from coordinator.admission import Admission, kv_need
+from coordinator.live import Finished, LiveRequest
 from coordinator.schedulers.base import Broadcast, Emit, Finish, Inject, Request, Scheduler
 from coordinator.schedulers.registry import SpecOptions, make_scheduler
 
 log = get_logger(__name__)
+MAX_ATTEMPTS = 3          # runs of one request through stage failures before it fails itself (a poison request)
 
 
 class Transport(Protocol):
@@ -38,33 +39,6 @@ class Transport(Protocol):
     async def inject(self, batch: MicroBatch) -> None: ...
     async def broadcast(self, control: Control) -> None: ...
     def results(self): ...
-
-
-@dataclass
-class Finished:
-    reason: str
-    stats: dict[str, float]
-    error: str = ""
-    error_code: int = 0
-
-
-@dataclass
-class _Live:
-    scheduler: Scheduler
-    events: asyncio.Queue
-    submitted: float
-    request: Request                    # as the client asked (its id is the client's)
-    method: str
-    spec: SpecOptions | None
-    wire_id: str                        # the id the current scheduler and the stages know it by
-    started: bool = False               # admitted (not queued)
-    cancel_reason: str = ""
-    attempts: int = 0                   # re-runs after stage failures
-    emitted: list[int] = field(default_factory=list)     # token ids the client has been sent
-    token_times: list[float] = field(default_factory=list)
-    rtt_ms: float = 0.0         # inject -> result, summed over this request's own micro-batches
-    busy_ms: float = 0.0        # of which stages computed or waited out emulated time
-    trips: int = 0
 
 
 class Engine:
@@ -81,7 +55,7 @@ class Engine:
         self.admission = admission or Admission(max_active=64, max_queue=256)
         self._waiting: dict[str, asyncio.Future] = {}          # queued request -> set when it may start
         self._schedulers: dict[tuple[str, SpecOptions], Scheduler] = {}
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, LiveRequest] = {}
         self._client_of: dict[str, str] = {}                    # wire id of a re-run -> client request id
         self._orphans: set[str] = set()                         # wire ids a failed pipeline may still hold
         self._owner: dict[int, tuple[Scheduler, int]] = {}     # wire batch id -> (scheduler, its batch id)
@@ -93,8 +67,8 @@ class Engine:
         self._background: set[asyncio.Task] = set()
         self.failure: BaseException | None = None
         self.unavailable = ""          # set while the pipeline has no stages (scaled to zero): why
-        # called (on the loop) when the transport fails; None: every request fails with UNAVAILABLE
-        self.on_failure: Callable[[BaseException], None] | None = None
+        # called (on the loop) with the error and the transport that failed; None: every request fails
+        self.on_failure: Callable[[BaseException, Transport], None] | None = None
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._execute()), asyncio.create_task(self._pump())]
@@ -182,7 +156,7 @@ class Engine:
         request = Request(rid, list(prompt_ids), max_new_tokens, eos_ids, sampling)
         need = kv_need(len(prompt_ids), max_new_tokens, self.transport.num_stages, sched.kv_rows_per_batch)
         runs_now = self.admission.offer(rid, need)
-        live = self._live[rid] = _Live(sched, asyncio.Queue(), time.perf_counter(), request, method, spec, rid)
+        live = self._live[rid] = LiveRequest(sched, asyncio.Queue(), time.perf_counter(), request, method, spec, rid)
         added = False
         try:
             if not runs_now:
@@ -263,6 +237,7 @@ class Engine:
     async def _execute(self) -> None:
         while True:
             sched, action = await self._work.get()
+            transport = self.transport
             try:
                 if isinstance(action, (Inject, Broadcast)) and not self._current(sched):
                     self._orphans.update(_request_ids(action))  # for a failed pipeline: released on the next
@@ -271,23 +246,26 @@ class Engine:
                     self._owner[wire_id] = (sched, action.batch.batch_id)
                     action.batch.batch_id = wire_id
                     self._sent_at[wire_id] = time.perf_counter()
-                    await self.transport.inject(action.batch)
+                    await transport.inject(action.batch)
                 elif isinstance(action, Broadcast):
-                    await self.transport.broadcast(action.control)
+                    await transport.broadcast(action.control)
                 elif isinstance(action, Emit):
                     self._emit(action)
                 elif isinstance(action, Finish):
                     self._finish(action)
-            except Exception as e:   # a broken transport fails every request (or starts a recovery)
-                if isinstance(action, (Inject, Broadcast)):
-                    self._orphans.update(_request_ids(action))
-                self._transport_failed(e)
+            except (Exception, asyncio.CancelledError) as e:   # a broken transport: recovery, or fail all
+                task = asyncio.current_task()
+                if isinstance(e, asyncio.CancelledError) and task is not None and task.cancelling():
+                    raise           # the engine closes (a write cut off by an aborted channel is a failure)
+                self._orphans.update(_request_ids(action))
+                self._transport_failed(e, transport)
             finally:
                 self._work.task_done()
 
     async def _pump(self) -> None:
+        transport = self.transport
         try:
-            async for batch in self.transport.results():
+            async for batch in transport.results():
                 owner = self._owner.pop(batch.batch_id, None)
                 sent = self._sent_at.pop(batch.batch_id, None)
                 if owner is None:
@@ -297,16 +275,16 @@ class Engine:
                 batch.batch_id = local_id
                 await self._call(sched, sched.on_result, batch)
         except Exception as e:
-            self._transport_failed(e)
+            self._transport_failed(e, transport)
 
-    def _transport_failed(self, error: BaseException) -> None:
+    def _transport_failed(self, error: BaseException, transport: Transport) -> None:
         if self.on_failure is not None:
-            self.on_failure(error)
+            self.on_failure(error, transport)
         else:
             log.error("pipeline transport failed", error=str(error))
             self._fail_all(error)
 
-    def _client(self, wire_id: str) -> _Live | None:
+    def _client(self, wire_id: str) -> LiveRequest | None:
         return self._live.get(self._client_of.get(wire_id, wire_id))
 
     def _account(self, batch: MicroBatch, sent: float | None) -> None:
@@ -314,11 +292,8 @@ class Engine:
         coordinator, the transport and queueing."""
         rids = {s.request_id for s in batch.segments}
         live = self._client(next(iter(rids))) if len(rids) == 1 else None
-        if live is None or sent is None:
-            return
-        live.rtt_ms += (time.perf_counter() - sent) * 1e3
-        live.busy_ms += sum(t.compute_ms + t.wait_ms for t in batch.trace)
-        live.trips += 1
+        if live is not None and sent is not None:
+            live.account((time.perf_counter() - sent) * 1e3, sum(t.compute_ms + t.wait_ms for t in batch.trace))
 
     def _emit(self, action: Emit) -> None:
         live = self._client(action.request_id)
@@ -335,22 +310,7 @@ class Engine:
             return
         del self._live[rid]
         self._release(rid)
-        stats = dict(action.stats)
-        if live.attempts:      # the scheduler saw only the last attempt
-            stats["tokens"] = float(len(live.emitted))
-            stats["recoveries"] = float(live.attempts)
-        now = time.perf_counter()
-        times = live.token_times
-        stats["wall_ms"] = (now - live.submitted) * 1e3
-        stats["ttft_ms"] = (times[0] - live.submitted) * 1e3 if times else 0.0
-        n = len(live.emitted)
-        stats["tbt_ms"] = (times[-1] - times[0]) * 1e3 / (n - 1) if n > 1 else 0.0
-        if live.trips:
-            stats["rtt_ms_mean"] = live.rtt_ms / live.trips
-            stats["overhead_ms_mean"] = (live.rtt_ms - live.busy_ms) / live.trips
-            stats["overhead_share"] = (live.rtt_ms - live.busy_ms) / live.rtt_ms if live.rtt_ms else 0.0
-        if "draft_ms" in stats:
-            stats["draft_share"] = stats["draft_ms"] / stats["wall_ms"] if stats["wall_ms"] else 0.0
+        stats = live.final_stats(action.stats, time.perf_counter())
         log.debug("request finished", request_id=rid, reason=action.reason, **stats)
         live.events.put_nowait(("finish", Finished(action.reason, stats, action.error, action.error_code)))
 
@@ -376,13 +336,22 @@ class Engine:
             self._schedulers.clear()
         await self._stop_pump()
 
-        def forget() -> None:           # scheduler and draft state of every request they still ran
+        def forget() -> list[Finish]:   # scheduler and draft state of every request they still ran
+            ended = []
             for sched in retired:
                 for wire_id in list(sched.requests):
                     sched.cancel(wire_id, "stage failure")
-                self._orphans.update(rid for a in sched.poll() for rid in _request_ids(a))
+                for action in sched.poll():
+                    self._orphans.update(_request_ids(action))
+                    if isinstance(action, Finish):
+                        ended.append(action)
+            return ended
+
         async with self._lock:
-            await asyncio.to_thread(forget)
+            for ended in await asyncio.to_thread(forget):
+                live = self._client(ended.request_id)
+                if live is not None and live.wire_id == ended.request_id:
+                    live.carry(ended.stats)
         await self._work.join()          # Emit/Finish go to the clients; Inject/Broadcast become orphans
         orphans, self._orphans = self._orphans, set()
         return orphans | {live.wire_id for live in self._live.values() if live.started}
@@ -391,6 +360,7 @@ class Engine:
         """Go on over a new pipeline: every running request runs again from its prompt plus the tokens its
         client already has (a request cancelled meanwhile just finishes). Returns how many were re-run."""
         self.transport, self.failure, self.unavailable = transport, None, ""
+        self._schedulers.clear()        # built for the old depth while suspended (none holds a request)
         self._tasks[1:] = [asyncio.create_task(self._pump())]
         rerun = 0
         for rid, live in list(self._live.items()):
@@ -400,7 +370,11 @@ class Engine:
             left = req.max_new_tokens - len(done)
             reason = live.cancel_reason or ("eos" if done and done[-1] in req.eos_ids else "length" if left < 1 else "")
             if reason:
-                self._finish(Finish(live.wire_id, reason, {"steps": 0.0, "tokens": float(len(done))}))
+                self._finish(Finish(live.wire_id, reason, {"steps": 0.0}))
+                continue
+            if live.attempts + 1 >= MAX_ATTEMPTS:
+                self._finish(Finish(live.wire_id, "error", {}, f"the pipeline failed {MAX_ATTEMPTS - 1} times while "
+                                    "this request ran; it is not run again (it may be what makes a stage fail)", 13))
                 continue
             live.attempts += 1
             self._client_of.pop(live.wire_id, None)
@@ -427,6 +401,8 @@ class Engine:
                 waiting.set_exception(RuntimeError(why))
                 continue
             if live.started:
+                sched = live.scheduler       # still current when a re-partition owns the pipeline
+                self._spawn(self._call(sched, sched.cancel, live.wire_id, "failed"))
                 self._finish(Finish(live.wire_id, "error", {}, why, 14))
 
 

@@ -104,7 +104,7 @@ class OpenAIServer:
     async def _body(self, request: web.Request) -> dict[str, Any]:
         try:
             body = json.loads(await request.read())
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):        # RecursionError: absurd nesting
             raise ApiError(400, "the request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")

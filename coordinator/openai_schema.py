@@ -49,10 +49,13 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> ApiE
 
 
 def from_generation_error(e: Exception) -> ApiError:
-    """InvalidRequest -> 400; GenerationFailed by its gRPC code (429, 503, ...; 500 otherwise)."""
+    """InvalidRequest and what can never succeed -> 400; GenerationFailed by its gRPC code (429, 503, ...;
+    500 otherwise)."""
     if isinstance(e, InvalidRequest):
         return bad(str(e))
     code = e.code if isinstance(e, GenerationFailed) else 13
+    if isinstance(e, GenerationFailed) and not e.retryable:
+        return bad(str(e))                    # e.g. it can never fit the KV limit: 429 would invite retries
     status, type_, err_code = GRPC_TO_HTTP.get(code, (500, "server_error", "internal_error"))
     return ApiError(status, str(e), type_, code=err_code)
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
+from typing import TYPE_CHECKING
 
 import grpc
 from prometheus_client import Counter
@@ -29,11 +31,14 @@ from prometheus_client import Counter
 from protos import stage_pb2, stage_pb2_grpc
 from services.logs import get_logger
 from services.tls import TLSFiles, open_channel
-from services.wire import control_to_proto
 from services.batch import Control
+from services.wire import control_to_proto
 
-from coordinator.drivers.grpc import PipelineError
+from coordinator.drivers.grpc import GrpcPipeline, PipelineError
 from coordinator.scaling import configure, plan
+
+if TYPE_CHECKING:
+    from coordinator.service import Coordinator
 
 log = get_logger(__name__)
 FAILURES = Counter("specpipe_stage_failures_total", "Pipeline failures by outcome of the recovery",
@@ -43,14 +48,21 @@ RECOVERED = Counter("specpipe_stage_failures_recovered_total",
 
 
 class Recovery:
-    """Owns the coordinator's pipeline while it recovers; attach() makes the engine call it on failure."""
+    """Owns the coordinator's pipeline while it recovers; attach() makes the engine call it on failure.
 
-    def __init__(self, coordinator, timeout_s: float, retry_s: float = 0.5) -> None:
+    A failure of the pipeline being recovered is old news and ignored; a failure of the pipeline it just
+    opened (a stage that flaps) makes it run once more when it is done."""
+
+    def __init__(self, coordinator: Coordinator, timeout_s: float, retry_s: float = 0.5,
+                 attempt_timeout_s: float = 5.0) -> None:
         self.coordinator = coordinator
         self.timeout_s = timeout_s
         self.retry_s = retry_s
+        self.attempt_timeout_s = attempt_timeout_s    # per reconnect attempt, so that a retarget is seen soon
         self._task: asyncio.Task | None = None
         self._addresses: list[str] = []
+        self._failed: weakref.WeakSet = weakref.WeakSet()     # transports whose failure is being handled
+        self._again: BaseException | None = None
 
     def attach(self) -> None:
         self.coordinator.engine.on_failure = self.trigger
@@ -59,14 +71,20 @@ class Recovery:
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
 
-    def trigger(self, error: BaseException) -> None:
-        if self.running:
+    def trigger(self, error: BaseException, transport: object) -> None:
+        if transport in self._failed:
             return
-        self._task = asyncio.get_running_loop().create_task(self._recover(error))
+        self._failed.add(transport)
+        if self.running:
+            self._again = error
+            return
+        pipeline = self.coordinator.pipeline
+        self._addresses = list(pipeline.addresses) if pipeline is not None else []
+        self._task = asyncio.get_running_loop().create_task(self._run(error))
 
     def retarget(self, addresses: list[str]) -> None:
         """A re-partition arrived while recovering (say `kubectl scale` removed the failed stage): recover
-        onto these stages instead (re-configured with the even split)."""
+        onto these stages instead (re-configured with the even split if they hold other layers)."""
         self._addresses = list(addresses)
 
     async def wait(self) -> None:
@@ -75,9 +93,26 @@ class Recovery:
             await asyncio.wait([self._task])
 
     async def close(self) -> None:
+        """Stop recovering (the coordinator shuts down): requests it held end with UNAVAILABLE."""
         if self.running:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+            self.coordinator.engine.fail_running("the coordinator is shutting down")
+
+    async def _run(self, error: BaseException) -> None:
+        while True:
+            try:
+                await self._recover(error)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:            # never leave the engine suspended without saying why
+                log.exception("recovery failed", error=repr(e))
+                self.coordinator.engine.fail_running(f"recovery after a stage failure failed: {e!r}")
+                FAILURES.labels("failed").inc()
+                return
+            if self._again is None:
+                return
+            error, self._again = self._again, None
 
     async def _recover(self, error: BaseException) -> None:
         c, engine = self.coordinator, self.coordinator.engine
@@ -96,14 +131,14 @@ class Recovery:
                         timeout_s=self.timeout_s)
             await old.abort()
             orphans = await engine.suspend()
-            self._addresses = list(old.addresses)
             gave_up, attempt = False, 0
             while True:
                 left = self.timeout_s - (time.monotonic() - started)
                 try:
-                    pipeline = await self._reconnect(self._addresses, orphans, max(1.0, left) if not gave_up else 5.0)
+                    pipeline = await self._reconnect(self._addresses, orphans,
+                                                     max(1.0, min(left, self.attempt_timeout_s)))
                     break
-                except (PipelineError, grpc.aio.AioRpcError, OSError) as e:
+                except Exception as e:
                     attempt += 1
                     why = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
                     if not gave_up and time.monotonic() - started >= self.timeout_s:
@@ -122,9 +157,9 @@ class Recovery:
             if not gave_up:
                 FAILURES.labels("recovered").inc()
             log.warning("pipeline recovered", seconds=round(time.monotonic() - started, 2), rerun=rerun,
-                        released=len(orphans))
+                        released=len(orphans), stages=len(pipeline.addresses))
 
-    async def _reconnect(self, addresses: list[str], orphans: set[str], timeout_s: float):
+    async def _reconnect(self, addresses: list[str], orphans: set[str], timeout_s: float) -> GrpcPipeline:
         c = self.coordinator
         tls = c.config.tls
         if not addresses:

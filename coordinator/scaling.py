@@ -86,7 +86,8 @@ class Repartitioner:
         if recovery is not None and recovery.running and n > 0:   # recover straight onto the new depth
             recovery.retarget([self.address_of(i) for i in range(n)])
             await recovery.wait()
-            self.current = n
+            pipeline = self.coordinator.pipeline
+            self.current = pipeline.num_stages if pipeline is not None else -1
         elif recovery is not None and recovery.running:
             await recovery.close()                  # nothing to wait for: scaled to zero
             self.coordinator.engine.fail_running("the pipeline has no stages: the stage StatefulSet was "

@@ -47,14 +47,9 @@ async def serve(config: CoordinatorConfig, port_file: str = "") -> None:
     server, coordinator = await start(config)
     http = await start_http(config, coordinator) if config.http_port else None
 
-    async def on_stop() -> None:
-        if http is not None:
-            await http.stop()
-        await coordinator.close()
-
     if config.metrics_port:
         from prometheus_client import start_http_server
-        start_http_server(config.metrics_port)
+        start_http_server(config.metrics_port, addr=config.host)
         log.info("metrics serving", port=config.metrics_port)
     watcher = start_scaling(config, coordinator) if config.k8s_statefulset else None
     log.info("coordinator serving", port=server.port, stages=",".join(config.stages), method=config.method,
@@ -64,7 +59,8 @@ async def serve(config: CoordinatorConfig, port_file: str = "") -> None:
             f.write(str(server.port))
         os.replace(port_file + ".tmp", port_file)
     try:
-        await server.serve_until_signal(config.grace_s, on_stop=on_stop)
+        await server.serve_until_signal(config.grace_s, on_stop=coordinator.close,
+                                        drain_also=http.stop if http is not None else None)
     finally:
         if watcher is not None:
             await asyncio.to_thread(watcher.stop)

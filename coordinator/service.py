@@ -57,9 +57,10 @@ class Chunk:
 
 
 class GenerationFailed(RuntimeError):
-    def __init__(self, message: str, code: int = 13) -> None:
+    def __init__(self, message: str, code: int = 13, retryable: bool = True) -> None:
         super().__init__(message)
         self.code = code        # grpc.StatusCode value[0]
+        self.retryable = retryable    # False: the same request will fail again (e.g. it can never fit)
 
 
 class Coordinator:
@@ -146,7 +147,7 @@ class Coordinator:
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
         except Overloaded as e:
-            raise GenerationFailed(str(e), code=8) from None       # RESOURCE_EXHAUSTED
+            raise GenerationFailed(str(e), code=8, retryable=e.retryable) from None       # RESOURCE_EXHAUSTED
         except RuntimeError as e:
             raise GenerationFailed(str(e), code=14) from None
         text = TextStream(self.encoder.decode, params.stop)
@@ -191,8 +192,12 @@ async def _open(config: CoordinatorConfig, addresses: list[str]) -> GrpcPipeline
     stale = sorted({r.request_id for info in pipeline.infos for r in info.requests})
     if stale:
         log.warning("releasing requests left on the stages", count=len(stale), request_ids=stale[:5])
-        for rid in stale:
-            await pipeline.broadcast(Control(rid, release=True))
+        try:
+            for rid in stale:
+                await pipeline.broadcast(Control(rid, release=True))
+        except BaseException:
+            await pipeline.abort()
+            raise
     return pipeline
 
 

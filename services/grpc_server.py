@@ -88,15 +88,17 @@ class Server:
             await self._health_server.stop(0)
 
     async def serve_until_signal(self, grace_s: float,
-                                 on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
-        """Serve until SIGTERM or SIGINT, then report NOT_SERVING, drain for grace_s and stop."""
+                                 on_stop: Callable[[], Awaitable[None]] | None = None,
+                                 drain_also: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Serve until SIGTERM or SIGINT, then report NOT_SERVING and drain for grace_s (together with
+        `drain_also`, e.g. another server of the process), stop, and run `on_stop`."""
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         log.info("draining", grace_s=grace_s)
-        await self.stop(grace_s)
+        await asyncio.gather(self.stop(grace_s), *([drain_also()] if drain_also is not None else []))
         if on_stop is not None:
             await on_stop()
         log.info("stopped")

@@ -59,3 +59,14 @@ def tiny_hf8(tiny_model8):
 def tiny_draft_model(tmp_path_factory) -> Path:
     """A separate small model with the same vocabulary (a stand-in for a real draft model folder)."""
     return make_tiny_llama(tmp_path_factory.mktemp("draft") / "draft2", layers=2, seed=7)
+
+
+@pytest.fixture(scope="module")
+def fuzz_env(tiny_model):
+    """Stages and a coordinator on the tiny model, shared by a fuzz test module (tests/fuzz_harness.py)."""
+    from fuzz_harness import Env
+    e = Env(str(tiny_model))
+    try:
+        yield e
+    finally:
+        e.close()

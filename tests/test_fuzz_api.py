@@ -22,14 +22,6 @@ from reference import hf_greedy
 FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-@pytest.fixture(scope="module")
-def env(tiny_model):
-    e = Env(str(tiny_model))
-    try:
-        yield e
-    finally:
-        e.close()
-
 
 # -- Generate ---------------------------------------------------------------------------------------
 METHOD_NAMES = ("pp", "specpipe", "sps", "tree", "pipeinfer", "cb-pp")      # as the README lists them
@@ -77,10 +69,10 @@ def one_line(req: generation_pb2.GenerateRequest) -> str:
     return text_format.MessageToString(req, as_one_line=True)
 
 
-async def generate_a(env: Env, req: generation_pb2.GenerateRequest) -> tuple[SC, list, str]:
+async def generate_a(fuzz_env: Env, req: generation_pb2.GenerateRequest) -> tuple[SC, list, str]:
     msgs = []
     try:
-        async for m in env.api.Generate(req, timeout=60):
+        async for m in fuzz_env.api.Generate(req, timeout=60):
             msgs.append(m)
     except grpc.aio.AioRpcError as e:
         return e.code(), msgs, e.details()
@@ -89,8 +81,8 @@ async def generate_a(env: Env, req: generation_pb2.GenerateRequest) -> tuple[SC,
 
 @settings(FUZZ, max_examples=80)
 @given(req=generate_request())
-def test_generate_bad_requests_get_invalid_argument_good_ones_exact_output(env, tiny_hf, req):
-    code, msgs, details = env.run(generate_a(env, req))
+def test_generate_bad_requests_get_invalid_argument_good_ones_exact_output(fuzz_env, tiny_hf, req):
+    code, msgs, details = fuzz_env.run(generate_a(fuzz_env, req))
     if not generate_ok(req):
         assert code == SC.INVALID_ARGUMENT and details and not msgs, (one_line(req), code, details)
         return
@@ -104,9 +96,9 @@ def test_generate_bad_requests_get_invalid_argument_good_ones_exact_output(env, 
         assert ids == (ref if req.ignore_eos or EOS not in ref else ref[:ref.index(EOS) + 1])
 
 
-def test_generate_edges_and_then_every_method_exact_and_no_state_left(env, tiny_hf):
+def test_generate_edges_and_then_every_method_exact_and_no_state_left(fuzz_env, tiny_hf):
     def gen(**fields):
-        return env.run(generate_a(env, generation_pb2.GenerateRequest(**fields)))
+        return fuzz_env.run(generate_a(fuzz_env, generation_pb2.GenerateRequest(**fields)))
     base = dict(prompt_token_ids=[10, 20, 30], max_new_tokens=4, ignore_eos=True)
     code, _, details = gen(temperature=1e-45, **base)      # used to yield a NaN distribution (token 0 forever)
     assert code == SC.INVALID_ARGUMENT and "temperature" in details
@@ -117,12 +109,12 @@ def test_generate_edges_and_then_every_method_exact_and_no_state_left(env, tiny_
     for method in METHOD_NAMES:
         code, msgs, details = gen(prompt_token_ids=[10, 20, 30], max_new_tokens=6, ignore_eos=True, method=method)
         assert code == SC.OK and [t for m in msgs for t in m.token_ids] == ref, (method, details)
-    held = env.run(env.held_a(api=True))
+    held = fuzz_env.run(fuzz_env.held_a(api=True))
     for _ in range(50):                                   # releases are broadcast after the last message
         if held == [[], []]:
             break
-        env.run(asyncio.sleep(0.1))
-        held = env.run(env.held_a(api=True))
+        fuzz_env.run(asyncio.sleep(0.1))
+        held = fuzz_env.run(fuzz_env.held_a(api=True))
     assert held == [[], []]
 
 
@@ -183,13 +175,13 @@ def test_any_order_of_results_and_draft_work_gives_the_exact_output(drafts_and_s
         sources[draft].release(rid)
 
 
-def test_a_seed_beyond_64_bits_on_the_wire_is_invalid_argument(env, tiny_hf):
+def test_a_seed_beyond_64_bits_on_the_wire_is_invalid_argument(fuzz_env, tiny_hf):
     """uint64 cannot overflow in a client that encodes it; an 11-byte varint sent raw is undecodable."""
     from fuzz_harness import raw
     good = generation_pb2.GenerateRequest(prompt_token_ids=[10, 20, 30], max_new_tokens=2,
                                           ignore_eos=True).SerializeToString()
     seed_field = bytes([0x48])                          # field 9 (seed), varint
-    assert raw(env, "api", "/specpipe.v1.Generation/Generate", "us", good + seed_field + b"\xff" * 10 + b"\x01") \
+    assert raw(fuzz_env, "api", "/specpipe.v1.Generation/Generate", "us", good + seed_field + b"\xff" * 10 + b"\x01") \
         == SC.INVALID_ARGUMENT
-    assert raw(env, "api", "/specpipe.v1.Generation/Generate", "us", good + seed_field + b"\xff" * 9 + b"\x01") \
+    assert raw(fuzz_env, "api", "/specpipe.v1.Generation/Generate", "us", good + seed_field + b"\xff" * 9 + b"\x01") \
         == SC.OK                                        # 2**64 - 1, the largest seed

@@ -165,3 +165,126 @@ async def test_a_new_coordinator_releases_what_a_dead_one_left_on_the_stages(tin
             await second.close()
             first.pipeline = None
             await first.close()
+
+
+async def _break_when_streaming(coord, got: list[int], at: int, why: str) -> None:
+    """Wait until `at` tokens have streamed and no recovery runs, then break the current pipeline (as its
+    failure detection would: coordinator/drivers/grpc.py)."""
+    while len(got) < at or coord.recovery.running or coord.pipeline is None:
+        await asyncio.sleep(0.01)
+    coord.pipeline._broken(why)
+
+
+async def test_a_pipeline_that_fails_again_while_recovering_is_recovered_again(tiny_model, tiny_hf):
+    """The pipeline opened by a recovery breaks at once (a flapping stage): the recovery runs again and the
+    stream still ends exact, exactly once."""
+    from coordinator.service import Coordinator, GenerateInput
+    from stage_servers import stage_servers
+    async with stage_servers(str(tiny_model), 2, stage_time_ms="15") as (addrs, servicers):
+        coord = await Coordinator.connect(CoordinatorConfig(stages=tuple(addrs), model=str(tiny_model),
+                                                            recovery_timeout_s=30, probe_interval_s=0))
+        opened = 0
+        plain_open = coord.open_pipeline
+
+        async def flaky_open(addresses):
+            nonlocal opened
+            pipeline = await plain_open(addresses)
+            opened += 1
+            if opened == 1:
+                pipeline._broken("test: the new pipeline fails at once")
+            return pipeline
+        coord.open_pipeline = flaky_open
+        try:
+            got: list[int] = []
+            last = None
+
+            async def consume():
+                nonlocal last
+                async for c in coord.generate(GenerateInput(prompt_token_ids=[7, 8, 9], max_new_tokens=40,
+                                                            method="specpipe", ignore_eos=True)):
+                    got.extend(c.token_ids)
+                    last = c
+            task = asyncio.create_task(consume())
+            await _break_when_streaming(coord, got, 3, "test: a stage failed")
+            await asyncio.wait_for(task, timeout=60)
+            assert got == hf_greedy(tiny_hf, [7, 8, 9], 40)
+            assert opened == 2 and last.stats["recoveries"] == 2 and last.stats["tokens"] == 40
+            for _ in range(100):
+                if not any(s.runner.cache.requests for s in servicers):
+                    break
+                await asyncio.sleep(0.05)
+            assert [len(s.runner.cache.requests) for s in servicers] == [0, 0]
+        finally:
+            await coord.close()
+
+
+async def test_a_request_that_lives_through_too_many_failures_fails_itself(tiny_model, tiny_hf):
+    """A request that may be what kills a stage (say its prefill runs the stage out of memory) is not re-run
+    forever: after MAX_ATTEMPTS runs it ends with INTERNAL; what it streamed is exact; others go on."""
+    from coordinator.engine import MAX_ATTEMPTS
+    from coordinator.service import Coordinator, GenerateInput, GenerationFailed
+    from stage_servers import stage_servers
+    async with stage_servers(str(tiny_model), 2, stage_time_ms="15") as (addrs, _):
+        coord = await Coordinator.connect(CoordinatorConfig(stages=tuple(addrs), model=str(tiny_model),
+                                                            recovery_timeout_s=30, probe_interval_s=0))
+        try:
+            got: list[int] = []
+
+            async def consume():
+                async for c in coord.generate(GenerateInput(prompt_token_ids=[11, 12], max_new_tokens=200,
+                                                            method="pp", ignore_eos=True)):
+                    got.extend(c.token_ids)
+            task = asyncio.create_task(consume())
+            for k in range(MAX_ATTEMPTS):
+                await _break_when_streaming(coord, got, 2 + 2 * k, f"test: failure {k + 1}")
+            with pytest.raises(GenerationFailed) as err:
+                await asyncio.wait_for(task, timeout=60)
+            assert err.value.code == grpc.StatusCode.INTERNAL.value[0] and "not run again" in str(err.value)
+            assert got == hf_greedy(tiny_hf, [11, 12], len(got))
+            out = [t async for c in coord.generate(GenerateInput(prompt_token_ids=[11, 12], max_new_tokens=5,
+                                                                 method="pp", ignore_eos=True)) for t in c.token_ids]
+            assert out == hf_greedy(tiny_hf, [11, 12], 5)
+        finally:
+            await coord.close()
+
+
+async def test_a_hung_stage_is_noticed_by_the_health_probe(tiny_model, tiny_hf):
+    """SIGSTOP (no connection breaks): the probe times out, the coordinator waits; after SIGCONT the stream
+    goes on, exact."""
+    stages = LocalStages(2, model=str(tiny_model), stage_time_ms="20")
+    stages.start()
+    try:
+        await stages.wait_ready(timeout_s=180)
+        server, coord = await start(CoordinatorConfig(stages=tuple(stages.addresses), model=str(tiny_model),
+                                                      port=0, recovery_timeout_s=60, probe_interval_s=0.3,
+                                                      probe_timeout_s=1.0))
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+                stub = generation_pb2_grpc.GenerationStub(ch)
+                got: list[int] = []
+                last = []
+
+                async def consume():
+                    async for m in stub.Generate(generation_pb2.GenerateRequest(
+                            prompt_token_ids=[21, 22, 23], max_new_tokens=60, method="specpipe", ignore_eos=True)):
+                        got.extend(m.token_ids)
+                        last[:] = [m]
+                task = asyncio.create_task(consume())
+                while len(got) < 3:
+                    await asyncio.sleep(0.02)
+                os.kill(stages.procs[1].pid, signal.SIGSTOP)
+                while not coord.recovery.running:
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(1.0)
+                os.kill(stages.procs[1].pid, signal.SIGCONT)
+                await asyncio.wait_for(task, timeout=90)
+                assert got == hf_greedy(tiny_hf, [21, 22, 23], 60)
+                assert last[0].stats.counters["recoveries"] >= 1
+        finally:
+            await server.stop(0)
+            await coord.close()
+    finally:
+        for p in stages.procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+        stages.stop()

@@ -58,6 +58,15 @@ class GrpcPipeline:
         return len(self.addresses)
 
     async def start(self) -> None:
+        """Connect (waiting up to connect_timeout_s for every stage), check the layer coverage, open the
+        streams. On failure nothing is left open."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.abort()
+            raise
+
+    async def _start(self) -> None:
         opts = channel_options(self.max_message_bytes)
         self._channels = [open_channel(a, self.tls, opts) for a in self.addresses]
         self._stubs = [stage_pb2_grpc.StageStub(c) for c in self._channels]
@@ -73,7 +82,8 @@ class GrpcPipeline:
         await results_call.initial_metadata()
         self._forward = self._stubs[0].Forward(wait_for_ready=True)
         self._controls = [s.Control(wait_for_ready=True) for s in self._stubs]
-        for i, what, call in [(0, "forward", self._forward), *((i, "control", c) for i, c in enumerate(self._controls))]:
+        streams = [(0, "forward", self._forward), *((i, "control", c) for i, c in enumerate(self._controls))]
+        for i, what, call in streams:
             call.add_done_callback(lambda c, w=f"{what} stream to stage {i} ({self.addresses[i]})": self._ended(c, w))
         if self.probe_interval_s > 0:
             self._watchers.append(asyncio.create_task(self._probe()))
@@ -83,7 +93,7 @@ class GrpcPipeline:
             log.warning("pipeline broken", why=why)
             self._results.put_nowait(PipelineError(why))
 
-    def _ended(self, call, what: str) -> None:
+    def _ended(self, call: grpc.aio.Call, what: str) -> None:
         """A client stream ends only when we close it: ending or failing before that means a stage went."""
         if self._closing:
             return
