@@ -62,7 +62,7 @@ class Recovery:
         self._task: asyncio.Task | None = None
         self._addresses: list[str] = []
         self._failed: weakref.WeakSet = weakref.WeakSet()     # transports whose failure is being handled
-        self._again: BaseException | None = None
+        self._again: tuple[BaseException, object] | None = None    # a failure of the pipeline just opened
 
     def attach(self) -> None:
         self.coordinator.engine.on_failure = self.trigger
@@ -76,11 +76,11 @@ class Recovery:
             return
         self._failed.add(transport)
         if self.running:
-            self._again = error
+            self._again = (error, transport)
             return
         pipeline = self.coordinator.pipeline
         self._addresses = list(pipeline.addresses) if pipeline is not None else []
-        self._task = asyncio.get_running_loop().create_task(self._run(error))
+        self._task = asyncio.get_running_loop().create_task(self._run(error, transport))
 
     def retarget(self, addresses: list[str]) -> None:
         """A re-partition arrived while recovering (say `kubectl scale` removed the failed stage): recover
@@ -99,10 +99,10 @@ class Recovery:
             await asyncio.gather(self._task, return_exceptions=True)
             self.coordinator.engine.fail_running("the coordinator is shutting down")
 
-    async def _run(self, error: BaseException) -> None:
+    async def _run(self, error: BaseException, transport: object) -> None:
         while True:
             try:
-                await self._recover(error)
+                await self._recover(error, transport)
             except asyncio.CancelledError:
                 raise
             except Exception as e:            # never leave the engine suspended without saying why
@@ -112,11 +112,11 @@ class Recovery:
                 return
             if self._again is None:
                 return
-            error, self._again = self._again, None
+            (error, transport), self._again = self._again, None
 
-    async def _recover(self, error: BaseException) -> None:
+    async def _recover(self, error: BaseException, transport: object) -> None:
         c, engine = self.coordinator, self.coordinator.engine
-        if c.pipeline is None:
+        if c.pipeline is None or c.pipeline is not transport:     # not (or no longer) the pipeline in use
             return
         lock = c.pipeline_lock
         if lock.locked():       # a re-partition owns the pipeline: it cannot drain a broken one
