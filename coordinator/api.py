@@ -36,7 +36,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except GenerationFailed as e:
             code = next((c for c in grpc.StatusCode if c.value[0] == e.code), grpc.StatusCode.INTERNAL)
-            log.warning("generation failed", error=str(e), code=code.name)
+            # refusals under overload are expected and counted (specpipe_requests_total): not a warning each
+            level = log.debug if code == grpc.StatusCode.RESOURCE_EXHAUSTED else log.warning
+            level("generation failed", error=str(e), code=code.name)
             await context.abort(code, str(e))
 
 
