@@ -12,9 +12,13 @@ import os
 import signal
 import sys
 import time
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from services.logs import configure
+
+if TYPE_CHECKING:                       # imported lazily at run time: `specpipe generate` needs no torch
+    from coordinator.local import LocalStages
+    from coordinator.service import GenerateInput
 
 EXAMPLES = """examples:
   specpipe run "What is the capital of France?" --stages 4
@@ -210,14 +214,14 @@ def error_message(e: BaseException) -> str:
     return text if isinstance(e, (ValueError, RuntimeError, OSError)) else f"{type(e).__name__}: {text}"
 
 
-def _input(args):
+def _input(args: argparse.Namespace) -> GenerateInput:
     from coordinator.service import GenerateInput
     return GenerateInput(prompt=args.prompt, raw=args.raw, max_new_tokens=args.max_new_tokens,
                          method=args.method, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                          seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
 
 
-async def _start_local(args):
+async def _start_local(args: argparse.Namespace) -> tuple[str, LocalStages]:
     from coordinator.local import LocalStages
     from coordinator.progress import resolve_with_progress
 
@@ -242,7 +246,7 @@ async def _start_local(args):
     return model, stages
 
 
-async def cmd_run(args) -> int:
+async def cmd_run(args: argparse.Namespace) -> int:
     from coordinator.config import CoordinatorConfig
     from coordinator.service import Coordinator
 
@@ -290,7 +294,7 @@ def summary_line(tokens: int, finish_reason: str, tokens_per_step: float, tbt_ms
             f"{tbt_ms:.1f} ms between tokens, first token after {ttft_ms:.0f} ms, {wall_s:.2f} s]")
 
 
-async def cmd_local(args) -> int:
+async def cmd_local(args: argparse.Namespace) -> int:
     from coordinator.config import CoordinatorConfig
     from coordinator.server import start, start_http
 
@@ -331,7 +335,7 @@ async def cmd_local(args) -> int:
         stages.stop()
 
 
-async def cmd_bench(args) -> int:
+async def cmd_bench(args: argparse.Namespace) -> int:
     from coordinator.bench import config_from_args, log_stderr, run_bench, table
     from coordinator.progress import resolve_with_progress
 
@@ -351,7 +355,7 @@ async def cmd_bench(args) -> int:
     return 0
 
 
-def cmd_generate(args) -> int:
+def cmd_generate(args: argparse.Namespace) -> int:
     """Stream the text to stdout, then one summary line to stderr (or, with --json, one JSON object)."""
     from coordinator.client import Client
 

@@ -17,8 +17,8 @@ import asyncio
 import itertools
 import time
 import uuid
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
 
 from services.batch import Control, MicroBatch
 from services.logs import get_logger
@@ -207,7 +207,7 @@ class Engine:
         """The request no longer holds its admission; start the queued requests that fit now."""
         self._release_started(self.admission.release(request_id))
 
-    async def _call(self, sched: Scheduler, fn, *args):
+    async def _call(self, sched: Scheduler, fn: Callable[..., Any], *args: Any) -> Any:
         """Run `fn` on `sched` in a worker thread and queue the actions it produced. A retired scheduler
         (see `suspend`) is not called any more: the result is None."""
         async with self._lock:
@@ -228,7 +228,7 @@ class Engine:
     def _current(self, sched: Scheduler) -> bool:
         return any(s is sched for s in self._schedulers.values())
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -406,7 +406,7 @@ class Engine:
                 self._finish(Finish(live.wire_id, "error", {}, why, 14))
 
 
-def _request_ids(action) -> list[str]:
+def _request_ids(action: Inject | Broadcast | Emit | Finish) -> list[str]:
     if isinstance(action, Inject):
         return [s.request_id for s in action.batch.segments]
     if isinstance(action, Broadcast):
