@@ -30,7 +30,9 @@ from coordinator.schedulers.base import Broadcast, Emit, Finish, Inject, Request
 from coordinator.schedulers.registry import SpecOptions, make_scheduler
 
 log = get_logger(__name__)
-MAX_ATTEMPTS = 3          # runs of one request through stage failures before it fails itself (a poison request)
+# a request that made no progress through this many stage failures in a row fails itself: it may be what
+# makes a stage fail (say its prefill runs the stage out of memory)
+MAX_FRUITLESS = 2
 
 
 class Transport(Protocol):
@@ -69,6 +71,8 @@ class Engine:
         self.unavailable = ""          # set while the pipeline has no stages (scaled to zero): why
         # called (on the loop) with the error and the transport that failed; None: every request fails
         self.on_failure: Callable[[BaseException, Transport], None] | None = None
+        self.suspended = False         # between `suspend` and `restart`: requests wait for a new pipeline
+        self._transition = asyncio.Lock()      # a restart waits for a suspend still under way
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._execute()), asyncio.create_task(self._pump())]
@@ -87,8 +91,9 @@ class Engine:
 
     async def drained(self, poll_s: float = 0.05) -> None:
         """Wait until no admitted request runs (queued ones stay queued) and every action they produced
-        (their release broadcasts) has gone out."""
-        while self.admission.active:
+        (their release broadcasts) has gone out — or until the engine is suspended (a stage failed): then
+        the running requests wait for `restart`."""
+        while self.admission.active and not self.suspended:
             await asyncio.sleep(poll_s)
         await self._work.join()
 
@@ -99,7 +104,7 @@ class Engine:
             raise RuntimeError("swap_transport needs a drained engine")
         await self._stop_pump()
         self._schedulers.clear()
-        self.failure = None
+        self.failure, self.suspended = None, False
         self.transport = transport
         self.unavailable = "" if transport is not None else why
         if transport is not None:
@@ -330,66 +335,77 @@ class Engine:
         the engine; their micro-batches in flight are forgotten), deliver the tokens they had committed and
         drop the rest of their actions. Returns the wire ids the stages may still hold state for. The
         failed transport must be aborted first, so that nothing waits on it."""
-        self.admission.hold()
-        async with self._lock:
-            retired = list(self._schedulers.values())
-            self._schedulers.clear()
-        await self._stop_pump()
+        async with self._transition:
+            self.admission.hold()
+            self.suspended = True
+            async with self._lock:
+                retired = list(self._schedulers.values())
+                self._schedulers.clear()
+            await self._stop_pump()
 
-        def forget() -> list[Finish]:   # scheduler and draft state of every request they still ran
-            ended = []
-            for sched in retired:
-                for wire_id in list(sched.requests):
-                    sched.cancel(wire_id, "stage failure")
-                for action in sched.poll():
-                    self._orphans.update(_request_ids(action))
-                    if isinstance(action, Finish):
-                        ended.append(action)
-            return ended
+            def forget() -> list[Finish]:   # scheduler and draft state of every request they still ran
+                ended = []
+                for sched in retired:
+                    for wire_id in list(sched.requests):
+                        sched.cancel(wire_id, "stage failure")
+                    for action in sched.poll():
+                        self._orphans.update(_request_ids(action))
+                        if isinstance(action, Finish):
+                            ended.append(action)
+                return ended
 
-        async with self._lock:
-            for ended in await asyncio.to_thread(forget):
-                live = self._client(ended.request_id)
-                if live is not None and live.wire_id == ended.request_id:
-                    live.carry(ended.stats)
-        await self._work.join()          # Emit/Finish go to the clients; Inject/Broadcast become orphans
-        orphans, self._orphans = self._orphans, set()
-        return orphans | {live.wire_id for live in self._live.values() if live.started}
+            async with self._lock:
+                for ended in await asyncio.to_thread(forget):
+                    live = self._client(ended.request_id)
+                    if live is not None and live.wire_id == ended.request_id:
+                        live.carry(ended.stats)
+            await self._work.join()          # Emit/Finish go to the clients; Inject/Broadcast become orphans
+            orphans, self._orphans = self._orphans, set()
+            return orphans | {live.wire_id for live in self._live.values() if live.started}
 
     async def restart(self, transport: Transport, kv_slots: int | None) -> int:
         """Go on over a new pipeline: every running request runs again from its prompt plus the tokens its
         client already has (a request cancelled meanwhile just finishes). Returns how many were re-run."""
-        self.transport, self.failure, self.unavailable = transport, None, ""
-        self._schedulers.clear()        # built for the old depth while suspended (none holds a request)
-        self._tasks[1:] = [asyncio.create_task(self._pump())]
-        rerun = 0
-        for rid, live in list(self._live.items()):
-            if not live.started:
-                continue
-            req, done = live.request, live.emitted
-            left = req.max_new_tokens - len(done)
-            reason = live.cancel_reason or ("eos" if done and done[-1] in req.eos_ids else "length" if left < 1 else "")
-            if reason:
-                self._finish(Finish(live.wire_id, reason, {"steps": 0.0}))
-                continue
-            if live.attempts + 1 >= MAX_ATTEMPTS:
-                self._finish(Finish(live.wire_id, "error", {}, f"the pipeline failed {MAX_ATTEMPTS - 1} times while "
-                                    "this request ran; it is not run again (it may be what makes a stage fail)", 13))
-                continue
-            live.attempts += 1
-            self._client_of.pop(live.wire_id, None)
-            live.wire_id = f"{rid}.r{live.attempts}"
-            self._client_of[live.wire_id] = rid
-            live.scheduler = sched = self.scheduler(live.method, live.spec)
-            again = Request(live.wire_id, req.prompt_ids + done, left, req.eos_ids, req.sampling)
-            try:
-                await self._call(sched, sched.add, again)
-            except ValueError as e:         # cannot happen for a request that ran; end it rather than hang
-                self._finish(Finish(live.wire_id, "error", {}, f"cannot resume after a stage failure: {e}", 13))
-                continue
-            rerun += 1
-        self._release_started(self.admission.resume(kv_slots))
-        return rerun
+        async with self._transition:
+            self.transport, self.failure, self.unavailable = transport, None, ""
+            self.suspended = False
+            self._schedulers.clear()        # built for the old depth while suspended (none holds a request)
+            self._tasks[1:] = [asyncio.create_task(self._pump())]
+            rerun = 0
+            for rid, live in list(self._live.items()):
+                if live.started and await self._rerun(rid, live):
+                    rerun += 1
+            self._release_started(self.admission.resume(kv_slots))
+            return rerun
+
+    async def _rerun(self, rid: str, live: LiveRequest) -> bool:
+        """Run a request again after a failure (True), or end it: cancelled meanwhile, already complete, or
+        without progress through MAX_FRUITLESS failures in a row."""
+        req, done = live.request, live.emitted
+        left = req.max_new_tokens - len(done)
+        reason = live.cancel_reason or ("eos" if done and done[-1] in req.eos_ids else "length" if left < 1 else "")
+        if reason:
+            self._finish(Finish(live.wire_id, reason, {"steps": 0.0}))
+            return False
+        live.fruitless = live.fruitless + 1 if len(done) == live.emitted_at_start else 0
+        if live.fruitless >= MAX_FRUITLESS:
+            self._finish(Finish(live.wire_id, "error", {}, f"the pipeline failed {live.fruitless} times in a "
+                                "row while this request made no progress; it is not run again (it may be what "
+                                "makes a stage fail)", 13))
+            return False
+        live.attempts += 1
+        live.emitted_at_start = len(done)
+        self._client_of.pop(live.wire_id, None)
+        live.wire_id = f"{rid}.r{live.attempts}"
+        self._client_of[live.wire_id] = rid
+        live.scheduler = sched = self.scheduler(live.method, live.spec)
+        try:
+            await self._call(sched, sched.add, Request(live.wire_id, req.prompt_ids + done, left, req.eos_ids,
+                                                       req.sampling))
+        except ValueError as e:         # cannot happen for a request that ran; end it rather than hang
+            self._finish(Finish(live.wire_id, "error", {}, f"cannot resume after a stage failure: {e}", 13))
+            return False
+        return True
 
     def fail_running(self, why: str) -> None:
         """The pipeline is not coming back (soon): end every request with UNAVAILABLE — the tokens already

@@ -39,6 +39,8 @@ class LiveRequest:
     started: bool = False               # admitted (not queued)
     cancel_reason: str = ""
     attempts: int = 0                   # re-runs after stage failures
+    emitted_at_start: int = 0           # tokens the client had when the current attempt started
+    fruitless: int = 0                  # stage failures in a row during which it streamed nothing new
     emitted: list[int] = field(default_factory=list)      # token ids the client has been sent
     token_times: list[float] = field(default_factory=list)
     carried: dict[str, float] = field(default_factory=dict)   # stats of the earlier attempts, summed

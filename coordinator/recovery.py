@@ -7,14 +7,16 @@ answering health checks), `Recovery` runs:
 2. wait until every stage answers again — the same process, a restarted one (`specpipe local` restarts
    dead stage processes) or a replacement pod with the same index and DNS name — for at most
    `--recovery-timeout-s`;
-3. release, on every stage, the requests the failed pipeline may still hold; a stage that came back with
+3. release everything the stages hold (nothing of it is valid any more); a stage that came back with
    other layers than the partition needs (a pod restarted from its start-up arguments after a re-partition)
    is re-configured with the even split (coordinator/scaling.py);
 4. open a new pipeline and re-run every request from its prompt plus the tokens already streamed
    (Engine.restart) — greedy and seeded sampling give the same continuation a run without the failure gives.
-If the stages are not back in time, every running request ends with UNAVAILABLE (what it streamed stays
-valid) and new ones are refused with UNAVAILABLE, while recovery keeps trying in the background; once the
-stages are back the coordinator serves again.
+If that has not happened within the timeout (whatever step hangs), every running request ends with
+UNAVAILABLE (what it streamed stays valid) and new ones are refused with UNAVAILABLE, while recovery keeps
+trying; once the stages are back the coordinator serves again. A failure of the pipeline a re-partition is
+draining (`kubectl scale` removed a pod that still served) is handed to the re-partition, which runs the
+requests again on its new pipeline.
 
     failure at t=0 (stage 2 killed) -> suspended -> t=3.1 s all stages answer -> releases -> re-run 5 requests
 """
@@ -28,14 +30,11 @@ from typing import TYPE_CHECKING
 import grpc
 from prometheus_client import Counter
 
-from protos import stage_pb2, stage_pb2_grpc
+from protos import stage_pb2
 from services.logs import get_logger
-from services.tls import TLSFiles, open_channel
-from services.batch import Control
-from services.wire import control_to_proto
 
 from coordinator.drivers.grpc import GrpcPipeline, PipelineError
-from coordinator.scaling import configure, plan
+from coordinator.scaling import configure, plan, release_held
 
 if TYPE_CHECKING:
     from coordinator.service import Coordinator
@@ -63,6 +62,7 @@ class Recovery:
         self._addresses: list[str] = []
         self._failed: weakref.WeakSet = weakref.WeakSet()     # transports whose failure is being handled
         self._again: tuple[BaseException, object] | None = None    # a failure of the pipeline just opened
+        self._gave_up, self._why = False, ""
 
     def attach(self) -> None:
         self.coordinator.engine.on_failure = self.trigger
@@ -92,83 +92,95 @@ class Recovery:
         if self._task is not None:
             await asyncio.wait([self._task])
 
-    async def close(self) -> None:
-        """Stop recovering (the coordinator shuts down): requests it held end with UNAVAILABLE."""
+    async def close(self, why: str = "the coordinator is shutting down") -> None:
+        """Stop recovering: the requests it held end with UNAVAILABLE and `why`."""
         if self.running:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-            self.coordinator.engine.fail_running("the coordinator is shutting down")
+            self.coordinator.engine.fail_running(why)
 
     async def _run(self, error: BaseException, transport: object) -> None:
+        c = self.coordinator
         while True:
             try:
-                await self._recover(error, transport)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:            # never leave the engine suspended without saying why
+                if c.pipeline_lock.locked() and transport is c.draining:
+                    await self._hand_over(error, transport)
+                else:
+                    async with c.pipeline_lock:     # after a re-partition in progress, if any
+                        if c.pipeline is transport:
+                            await self._recover(error)
+            except Exception as e:                  # a bug: say so to the held requests rather than hang them
                 log.exception("recovery failed", error=repr(e))
-                self.coordinator.engine.fail_running(f"recovery after a stage failure failed: {e!r}")
+                c.engine.fail_running(f"recovery after a stage failure failed: {e!r}")
                 FAILURES.labels("failed").inc()
                 return
             if self._again is None:
                 return
             (error, transport), self._again = self._again, None
 
-    async def _recover(self, error: BaseException, transport: object) -> None:
+    async def _hand_over(self, error: BaseException, transport: GrpcPipeline) -> None:
+        """The pipeline a re-partition is draining failed: drop it and suspend the engine; the re-partition
+        (coordinator/scaling.py) then runs the requests again on the new pipeline."""
+        c = self.coordinator
+        log.warning("stage failure during a re-partition: the requests go on on the new pipeline",
+                    error=str(error))
+        c.pipeline = None
+        await transport.abort()
+        await c.engine.suspend()
+        FAILURES.labels("repartition").inc()
+
+    async def _recover(self, error: BaseException) -> None:
         c, engine = self.coordinator, self.coordinator.engine
-        if c.pipeline is None or c.pipeline is not transport:     # not (or no longer) the pipeline in use
-            return
-        lock = c.pipeline_lock
-        if lock.locked():       # a re-partition owns the pipeline: it cannot drain a broken one
-            log.error("stage failure during a re-partition: failing the running requests", error=str(error))
-            engine.fail_running(f"a stage failed during a re-partition: {error}")
-            FAILURES.labels("failed").inc()
-            return
-        async with lock:
-            started = time.monotonic()
-            old, c.pipeline = c.pipeline, None
-            log.warning("stage failure: recovering", error=str(error), running=len(engine.admission.active),
-                        timeout_s=self.timeout_s)
-            await old.abort()
-            orphans = await engine.suspend()
-            gave_up, attempt = False, 0
+        started = time.monotonic()
+        old, c.pipeline = c.pipeline, None
+        log.warning("stage failure: recovering", error=str(error), running=len(engine.admission.active),
+                    timeout_s=self.timeout_s)
+        await old.abort()
+        orphans = await engine.suspend()
+        self._gave_up, self._why = False, str(error)
+        give_up = asyncio.get_running_loop().call_later(self.timeout_s, self._give_up)   # whatever hangs
+        attempt = 0
+        try:
             while True:
-                left = self.timeout_s - (time.monotonic() - started)
                 try:
-                    pipeline = await self._reconnect(self._addresses, orphans,
-                                                     max(1.0, min(left, self.attempt_timeout_s)))
+                    pipeline = await self._reconnect(self._addresses, orphans, self.attempt_timeout_s)
+                    c.pipeline = pipeline
+                    rerun = await engine.restart(pipeline, c.kv_slots(pipeline))
                     break
                 except Exception as e:
+                    if c.pipeline is not None:           # the restart failed half-way: take it down again
+                        await c.pipeline.abort()
+                        c.pipeline = None
+                        orphans |= await engine.suspend()
                     attempt += 1
-                    why = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
-                    if not gave_up and time.monotonic() - started >= self.timeout_s:
-                        gave_up = True
-                        FAILURES.labels("gave_up").inc()
-                        log.error("stages not back: failing the running requests", seconds=self.timeout_s,
-                                  error=why)
-                        engine.fail_running(f"a pipeline stage failed and did not come back within "
-                                            f"{self.timeout_s:.0f} s ({why}); retry later")
-                    elif attempt == 1 or attempt % 20 == 0:
-                        log.info("waiting for the stages", error=why, attempt=attempt)
+                    self._why = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+                    if attempt == 1 or attempt % 20 == 0:
+                        log.info("waiting for the stages", error=self._why, attempt=attempt)
                     await asyncio.sleep(self.retry_s)
-            c.pipeline = pipeline
-            rerun = await engine.restart(pipeline, c.kv_slots(pipeline))
-            RECOVERED.inc(rerun)
-            if not gave_up:
-                FAILURES.labels("recovered").inc()
-            log.warning("pipeline recovered", seconds=round(time.monotonic() - started, 2), rerun=rerun,
-                        released=len(orphans), stages=len(pipeline.addresses))
+        finally:
+            give_up.cancel()
+        RECOVERED.inc(rerun)
+        if not self._gave_up:
+            FAILURES.labels("recovered").inc()
+        log.warning("pipeline recovered", seconds=round(time.monotonic() - started, 2), rerun=rerun,
+                    released=len(orphans), stages=len(pipeline.addresses))
+
+    def _give_up(self) -> None:
+        """The recovery timeout passed: answer the held requests (the recovery goes on for later ones)."""
+        self._gave_up = True
+        FAILURES.labels("gave_up").inc()
+        log.error("stages not back: failing the running requests", seconds=self.timeout_s, error=self._why)
+        self.coordinator.engine.fail_running(f"a pipeline stage failed and did not come back within "
+                                             f"{self.timeout_s:.0f} s ({self._why}); retry later")
 
     async def _reconnect(self, addresses: list[str], orphans: set[str], timeout_s: float) -> GrpcPipeline:
         c = self.coordinator
-        tls = c.config.tls
         if not addresses:
             raise PipelineError("no stages")
-        infos = await asyncio.gather(*(_info(a, tls, timeout_s) for a in addresses))
-        await asyncio.gather(*(release(a, sorted(orphans), tls, timeout_s) for a in addresses))
+        infos = await release_held(addresses, orphans, c.config.tls, timeout_s)
         if _covers_wrongly(infos, c.num_layers):
             log.warning("a stage came back with other layers: re-configuring the pipeline")
-            await asyncio.gather(*(configure(p, tls=tls) for p in plan(addresses, c.num_layers)))
+            await asyncio.gather(*(configure(p, tls=c.config.tls) for p in plan(addresses, c.num_layers)))
         return await c.open_pipeline(addresses)
 
 
@@ -179,21 +191,3 @@ def _covers_wrongly(infos: list[stage_pb2.StageInfo], num_layers: int) -> bool:
             return True
         expected = info.last_layer
     return expected != num_layers
-
-
-async def _info(address: str, tls: TLSFiles | None, timeout_s: float) -> stage_pb2.StageInfo:
-    async with open_channel(address, tls) as channel:
-        return await stage_pb2_grpc.StageStub(channel).Info(stage_pb2.InfoRequest(), timeout=timeout_s,
-                                                             wait_for_ready=True)
-
-
-async def release(address: str, request_ids: list[str], tls: TLSFiles | None, timeout_s: float) -> None:
-    """Release requests on one stage and wait until it has applied the releases (unknown ids are harmless)."""
-    if not request_ids:
-        return
-    async with open_channel(address, tls) as channel:
-        call = stage_pb2_grpc.StageStub(channel).Control(timeout=timeout_s, wait_for_ready=True)
-        for rid in request_ids:
-            await call.write(control_to_proto(Control(rid, release=True)))
-        await call.done_writing()
-        await call

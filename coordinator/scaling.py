@@ -22,9 +22,11 @@ import grpc
 from prometheus_client import Counter
 
 from protos import stage_pb2, stage_pb2_grpc
+from services.batch import Control
 from services.logs import get_logger
 from services.model.shard import even_split
 from services.tls import TLSFiles, open_channel
+from services.wire import control_to_proto
 
 log = get_logger(__name__)
 REPARTITIONS = Counter("specpipe_repartitions_total", "Pipeline re-partitions by outcome", ["outcome"])
@@ -67,6 +69,34 @@ async def configure(p: StagePlan, timeout_s: float = 600.0, attempts: int = 20,
                 await asyncio.sleep(0.1)
 
 
+async def release_held(addresses: list[str], also: set[str], tls: TLSFiles | None,
+                       timeout_s: float) -> list[stage_pb2.StageInfo]:
+    """With no pipeline open, everything the stages hold is stale: release it (plus `also`, requests that may
+    still be in flight towards them) on every stage; returns the stages' Info from before."""
+    infos = await asyncio.gather(*(_info(a, tls, timeout_s) for a in addresses))
+    await asyncio.gather(*(release(a, sorted(also | {r.request_id for r in info.requests}), tls, timeout_s)
+                           for a, info in zip(addresses, infos)))
+    return list(infos)
+
+
+async def _info(address: str, tls: TLSFiles | None, timeout_s: float) -> stage_pb2.StageInfo:
+    async with open_channel(address, tls) as channel:
+        return await stage_pb2_grpc.StageStub(channel).Info(stage_pb2.InfoRequest(), timeout=timeout_s,
+                                                             wait_for_ready=True)
+
+
+async def release(address: str, request_ids: list[str], tls: TLSFiles | None, timeout_s: float) -> None:
+    """Release requests on one stage and wait until it has applied the releases (unknown ids are harmless)."""
+    if not request_ids:
+        return
+    async with open_channel(address, tls) as channel:
+        call = stage_pb2_grpc.StageStub(channel).Control(timeout=timeout_s, wait_for_ready=True)
+        for rid in request_ids:
+            await call.write(control_to_proto(Control(rid, release=True)))
+        await call.done_writing()
+        await call
+
+
 class Repartitioner:
     """Owns the coordinator's pipeline while its depth changes (see the module docstring)."""
 
@@ -89,9 +119,9 @@ class Repartitioner:
             pipeline = self.coordinator.pipeline
             self.current = pipeline.num_stages if pipeline is not None else -1
         elif recovery is not None and recovery.running:
-            await recovery.close()                  # nothing to wait for: scaled to zero
-            self.coordinator.engine.fail_running("the pipeline has no stages: the stage StatefulSet was "
-                                                 "scaled to 0 replicas")
+            await recovery.close("the pipeline has no stages: the stage StatefulSet was scaled to 0 replicas")
+        if self.coordinator.closing:
+            return
         async with self.coordinator.pipeline_lock:
             if force and self.coordinator.engine.failure is not None:
                 self.current = -1
@@ -106,31 +136,43 @@ class Repartitioner:
         log.info("re-partition: holding new requests, draining", stages_from=self.current, stages_to=n,
                  running=len(engine.admission.active))
         engine.admission.hold()
-        await engine.drained()
+        c.draining = c.pipeline                 # a stage failure now is handed to us (coordinator/recovery.py)
+        await engine.drained()                  # or suspended: the requests then run again on the new pipeline
         if c.pipeline is not None:
             await c.pipeline.close()
             c.pipeline = None
+        c.draining = None
         if n == 0:
             self.current = 0
-            await engine.swap_transport(None, None, why="the pipeline has no stages: the stage StatefulSet "
-                                        "was scaled to 0 replicas; scale it up to serve again")
+            await self._no_pipeline("the pipeline has no stages: the stage StatefulSet was scaled to 0 "
+                                    "replicas; scale it up to serve again")
             REPARTITIONS.labels("scaled_to_zero").inc()
             log.warning("re-partition: no stages, answering UNAVAILABLE")
             return True
         try:
             plans = plan([self.address_of(i) for i in range(n)], c.num_layers)
+            await release_held([p.address for p in plans], set(), c.config.tls, 10.0)   # its stages are ready
             await asyncio.gather(*(configure(p, tls=c.config.tls) for p in plans))
             pipeline = await c.open_pipeline([p.address for p in plans])
         except Exception as e:
             self.current = -1                       # unknown: the next scale() tries again
-            await engine.swap_transport(None, None, why=f"re-partition to {n} stages failed: {e}")
+            await self._no_pipeline(f"re-partition to {n} stages failed: {e}")
             REPARTITIONS.labels("failed").inc()
             log.error("re-partition failed", stages=n, error=str(e))
             return False
         c.pipeline = pipeline
         self.current = n
-        await engine.swap_transport(pipeline, c.kv_slots(pipeline))
+        if engine.suspended:
+            await engine.restart(pipeline, c.kv_slots(pipeline))
+        else:
+            await engine.swap_transport(pipeline, c.kv_slots(pipeline))
         REPARTITIONS.labels("ok").inc()
         log.info("re-partitioned", stages=n, layers=[(p.first_layer, p.last_layer) for p in plans],
                  seconds=round(time.perf_counter() - started, 2))
         return True
+
+    async def _no_pipeline(self, why: str) -> None:
+        engine = self.coordinator.engine
+        if engine.suspended:                    # requests held after a stage failure cannot run anywhere
+            engine.fail_running(why)
+        await engine.swap_transport(None, None, why=why)

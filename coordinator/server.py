@@ -59,8 +59,11 @@ async def serve(config: CoordinatorConfig, port_file: str = "") -> None:
             f.write(str(server.port))
         os.replace(port_file + ".tmp", port_file)
     try:
-        await server.serve_until_signal(config.grace_s, on_stop=coordinator.close,
-                                        drain_also=http.stop if http is not None else None)
+        async def drain_also() -> None:         # beside the gRPC drain: HTTP, and a recovery (if one runs)
+            coordinator.closing = True
+            await asyncio.gather(*([http.stop()] if http is not None else []),
+                                 *([coordinator.recovery.close()] if coordinator.recovery is not None else []))
+        await server.serve_until_signal(config.grace_s, on_stop=coordinator.close, drain_also=drain_also)
     finally:
         if watcher is not None:
             await asyncio.to_thread(watcher.stop)

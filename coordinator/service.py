@@ -71,6 +71,8 @@ class Coordinator:
         self.num_layers = pipeline.infos[0].num_layers_total
         self.encoder, self.eos_ids, self.limits = encoder, eos_ids, limits
         self.pipeline_lock = asyncio.Lock()     # held by whoever replaces the pipeline (re-partition, recovery)
+        self.draining: GrpcPipeline | None = None   # the pipeline a re-partition is draining (scaling.py)
+        self.closing = False
         self.recovery: Recovery | None = None
         if config.recovery_timeout_s > 0:
             self.recovery = Recovery(self, config.recovery_timeout_s)
@@ -99,6 +101,7 @@ class Coordinator:
         return cls(config, pipeline, engine, PromptEncoder(tokenizer), eos_ids, limits)
 
     async def close(self) -> None:
+        self.closing = True
         if self.recovery is not None:
             await self.recovery.close()
         await self.engine.close()
@@ -192,9 +195,11 @@ async def _open(config: CoordinatorConfig, addresses: list[str]) -> GrpcPipeline
     stale = sorted({r.request_id for info in pipeline.infos for r in info.requests})
     if stale:
         log.warning("releasing requests left on the stages", count=len(stale), request_ids=stale[:5])
-        try:
+        async def release_all() -> None:
             for rid in stale:
                 await pipeline.broadcast(Control(rid, release=True))
+        try:
+            await asyncio.wait_for(release_all(), timeout=config.connect_timeout_s)
         except BaseException:
             await pipeline.abort()
             raise

@@ -170,9 +170,12 @@ async def test_a_new_coordinator_releases_what_a_dead_one_left_on_the_stages(tin
 async def _break_when_streaming(coord, got: list[int], at: int, why: str) -> None:
     """Wait until `at` tokens have streamed and no recovery runs, then break the current pipeline (as its
     failure detection would: coordinator/drivers/grpc.py)."""
-    while len(got) < at or coord.recovery.running or coord.pipeline is None:
-        await asyncio.sleep(0.01)
-    coord.pipeline._broken(why)
+    while len(got) < at or coord.recovery.running or coord.pipeline is None or coord.engine.suspended:
+        await asyncio.sleep(0.005)
+    broken = coord.pipeline
+    broken._broken(why)
+    while coord.pipeline is broken:                 # until the recovery has taken it down
+        await asyncio.sleep(0.005)
 
 
 async def test_a_pipeline_that_fails_again_while_recovering_is_recovered_again(tiny_model, tiny_hf):
@@ -218,32 +221,89 @@ async def test_a_pipeline_that_fails_again_while_recovering_is_recovered_again(t
             await coord.close()
 
 
-async def test_a_request_that_lives_through_too_many_failures_fails_itself(tiny_model, tiny_hf):
-    """A request that may be what kills a stage (say its prefill runs the stage out of memory) is not re-run
-    forever: after MAX_ATTEMPTS runs it ends with INTERNAL; what it streamed is exact; others go on."""
-    from coordinator.engine import MAX_ATTEMPTS
+async def test_failures_between_which_a_request_progresses_are_survived_but_a_poison_request_fails(tiny_model,
+                                                                                                   tiny_hf):
+    """A rolling restart (a failure after every few tokens) is survived however often it happens; a request
+    that makes no progress through MAX_FRUITLESS failures in a row (its prefill may be what kills a stage)
+    ends with INTERNAL; what it streamed is exact; the coordinator serves on."""
+    from coordinator.engine import MAX_FRUITLESS
     from coordinator.service import Coordinator, GenerateInput, GenerationFailed
     from stage_servers import stage_servers
-    async with stage_servers(str(tiny_model), 2, stage_time_ms="15") as (addrs, _):
+    async with stage_servers(str(tiny_model), 2, stage_time_ms="150") as (addrs, _):
         coord = await Coordinator.connect(CoordinatorConfig(stages=tuple(addrs), model=str(tiny_model),
                                                             recovery_timeout_s=30, probe_interval_s=0))
         try:
-            got: list[int] = []
-
-            async def consume():
-                async for c in coord.generate(GenerateInput(prompt_token_ids=[11, 12], max_new_tokens=200,
+            async def run(got: list[int], last: list) -> None:
+                async for c in coord.generate(GenerateInput(prompt_token_ids=[11, 12], max_new_tokens=9,
                                                             method="pp", ignore_eos=True)):
                     got.extend(c.token_ids)
-            task = asyncio.create_task(consume())
-            for k in range(MAX_ATTEMPTS):
-                await _break_when_streaming(coord, got, 2 + 2 * k, f"test: failure {k + 1}")
+                    last[:] = [c]
+
+            got, last = [], []
+            task = asyncio.create_task(run(got, last))
+            for k in range(MAX_FRUITLESS + 1):                      # progress before every failure
+                await _break_when_streaming(coord, got, 2 * (k + 1), f"test: rolling restart {k + 1}")
+            await asyncio.wait_for(task, timeout=60)
+            assert got == hf_greedy(tiny_hf, [11, 12], 9) and last[0].stats["recoveries"] == MAX_FRUITLESS + 1
+
+            got, last = [], []
+            task = asyncio.create_task(run(got, last))
+            await _break_when_streaming(coord, got, 1, "test: first failure")
+            for k in range(MAX_FRUITLESS):                          # at once: no token in between
+                await _break_when_streaming(coord, got, 0, f"test: fruitless failure {k + 1}")
             with pytest.raises(GenerationFailed) as err:
                 await asyncio.wait_for(task, timeout=60)
-            assert err.value.code == grpc.StatusCode.INTERNAL.value[0] and "not run again" in str(err.value)
-            assert got == hf_greedy(tiny_hf, [11, 12], len(got))
-            out = [t async for c in coord.generate(GenerateInput(prompt_token_ids=[11, 12], max_new_tokens=5,
+            assert err.value.code == grpc.StatusCode.INTERNAL.value[0] and "no progress" in str(err.value)
+            assert 1 <= len(got) < 9 and got == hf_greedy(tiny_hf, [11, 12], len(got))
+            out = [t async for c in coord.generate(GenerateInput(prompt_token_ids=[11, 12], max_new_tokens=3,
                                                                  method="pp", ignore_eos=True)) for t in c.token_ids]
-            assert out == hf_greedy(tiny_hf, [11, 12], 5)
+            assert out == hf_greedy(tiny_hf, [11, 12], 3)
+        finally:
+            await coord.close()
+
+
+async def test_a_stage_failure_while_a_repartition_drains_is_carried_onto_the_new_pipeline(tiny_model8, tiny_hf8):
+    """kubectl scale 3 -> 2 removes a pod that still serves: its streams break during the drain. The running
+    and the queued requests go on, exact, on the new 2-stage pipeline; nothing is left on the stages."""
+    from coordinator.scaling import Repartitioner
+    from coordinator.service import Coordinator, GenerateInput
+    from stage_servers import stage_servers
+    async with stage_servers(str(tiny_model8), 3, stage_time_ms="30") as (addrs, servicers):
+        coord = await Coordinator.connect(CoordinatorConfig(stages=tuple(addrs), model=str(tiny_model8),
+                                                            recovery_timeout_s=30, probe_interval_s=0))
+        rep = Repartitioner(coord, lambda i: addrs[i])
+        try:
+            async def run(prompt: list[int], got: list[int]) -> None:
+                async for c in coord.generate(GenerateInput(prompt_token_ids=prompt, max_new_tokens=30,
+                                                            method="pp", ignore_eos=True)):
+                    got.extend(c.token_ids)
+
+            first: list[int] = []
+            running = asyncio.create_task(run([4, 5, 6], first))
+            while len(first) < 2:
+                await asyncio.sleep(0.01)
+            scaling = asyncio.create_task(rep.scale(2))
+            while coord.draining is None:
+                await asyncio.sleep(0.005)
+            second: list[int] = []
+            queued = asyncio.create_task(run([9, 9], second))
+            await asyncio.sleep(0.1)
+            coord.pipeline._broken("test: stage 2 was deleted before the drain ended")
+            await asyncio.wait_for(asyncio.gather(running, queued, scaling), timeout=90)
+            assert first == hf_greedy(tiny_hf8, [4, 5, 6], 30) and second == hf_greedy(tiny_hf8, [9, 9], 30)
+            assert coord.pipeline.num_stages == 2 and rep.current == 2
+            for _ in range(100):
+                if not any(s.runner.cache.requests for s in servicers[:2]):
+                    break
+                await asyncio.sleep(0.05)
+            assert [len(s.runner.cache.requests) for s in servicers[:2]] == [0, 0]
+            # the stage left out may still hold what the broken pipeline sent it (in a cluster its pod is
+            # gone); when it rejoins, the re-partition releases it first
+            await rep.scale(3)
+            assert [len(s.runner.cache.requests) for s in servicers] == [0, 0, 0]
+            again: list[int] = []
+            await run([4, 5, 6], again)
+            assert again == first
         finally:
             await coord.close()
 
@@ -288,3 +348,42 @@ async def test_a_hung_stage_is_noticed_by_the_health_probe(tiny_model, tiny_hf):
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGCONT)
         stages.stop()
+
+
+async def test_the_recovery_timeout_holds_even_when_a_step_of_the_recovery_is_slow(tiny_model, tiny_hf):
+    """A reconnect step that hangs past --recovery-timeout-s (a stage slow to answer its Results stream):
+    the held streams end with UNAVAILABLE while it still hangs; once it ends, serving resumes."""
+    from coordinator.service import Coordinator, GenerateInput, GenerationFailed
+    from stage_servers import stage_servers
+    async with stage_servers(str(tiny_model), 2, stage_time_ms="20") as (addrs, _):
+        coord = await Coordinator.connect(CoordinatorConfig(stages=tuple(addrs), model=str(tiny_model),
+                                                            recovery_timeout_s=1, probe_interval_s=0))
+        plain_open = coord.open_pipeline
+        step_may_end = asyncio.Event()
+
+        async def slow_open(addresses):          # ends only when the test says so
+            await step_may_end.wait()
+            return await plain_open(addresses)
+        coord.open_pipeline = slow_open
+        try:
+            got: list[int] = []
+
+            async def consume():
+                async for c in coord.generate(GenerateInput(prompt_token_ids=[5, 5], max_new_tokens=100,
+                                                            method="pp", ignore_eos=True)):
+                    got.extend(c.token_ids)
+            task = asyncio.create_task(consume())
+            while len(got) < 2:
+                await asyncio.sleep(0.01)
+            coord.pipeline._broken("test: a stage failed")
+            with pytest.raises(GenerationFailed) as err:      # while the step still hangs
+                await asyncio.wait_for(task, timeout=30)
+            assert coord.recovery.running
+            step_may_end.set()
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE.value[0] and "did not come back" in str(err.value)
+            await coord.recovery.wait()
+            out = [t async for c in coord.generate(GenerateInput(prompt_token_ids=[5, 5], max_new_tokens=4,
+                                                                 method="pp", ignore_eos=True)) for t in c.token_ids]
+            assert out == hf_greedy(tiny_hf, [5, 5], 4)
+        finally:
+            await coord.close()

@@ -79,7 +79,7 @@ class GrpcPipeline:
         check_coverage(self.infos, self.addresses)
         results_call = self._stubs[-1].Results(stage_pb2.ResultsRequest(), wait_for_ready=True)
         self._reader = asyncio.create_task(self._read_results(results_call))
-        await results_call.initial_metadata()
+        await asyncio.wait_for(results_call.initial_metadata(), timeout=self.connect_timeout_s)
         self._forward = self._stubs[0].Forward(wait_for_ready=True)
         self._controls = [s.Control(wait_for_ready=True) for s in self._stubs]
         streams = [(0, "forward", self._forward), *((i, "control", c) for i, c in enumerate(self._controls))]
