@@ -71,7 +71,8 @@ def spec_kwargs(args: argparse.Namespace) -> dict:
 
 def _generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="prompt text")
-    p.add_argument("--method", default="", help="specpipe, pp, cb-pp, sps, tree or pipeinfer (default: the server's, specpipe)")
+    p.add_argument("--method", default="",
+                   help="specpipe, pp, cb-pp, sps, tree or pipeinfer (default: the server's, specpipe)")
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -266,7 +267,8 @@ async def cmd_run(args: argparse.Namespace) -> int:
             last = chunk
         wall = time.perf_counter() - started
         stats = last.stats or {}
-        result = {"text": "".join(text), "token_ids": ids, "method": config.method, "stages": args.stages, "finish_reason": last.finish_reason,
+        result = {"text": "".join(text), "token_ids": ids, "method": config.method, "stages": args.stages,
+                  "finish_reason": last.finish_reason,
                   "steps": int(stats.get("steps", 0)), "tokens_per_step": stats.get("tokens_per_step", 0.0),
                   "tbt_ms": stats.get("tbt_ms", 0.0), "ttft_ms": stats.get("ttft_ms", 0.0),
                   "prompt_tokens": int(stats.get("prompt_tokens", 0)), "wall_s": wall,

@@ -150,7 +150,8 @@ class CoordinatorConfig:
                    health_port=a.health_port,
                    stage_template=a.stages if "{i}" in a.stages else "", k8s_statefulset=a.k8s_statefulset,
                    k8s_namespace=a.k8s_namespace, tls_cert=a.tls_cert, tls_key=a.tls_key, tls_ca=a.tls_ca,
-                   api_tls_cert=a.api_tls_cert, api_tls_key=a.api_tls_key, api_token=a.api_token, http_port=a.http_port, model=a.model, host=a.host, port=a.port, method=a.method,
+                   api_tls_cert=a.api_tls_cert, api_tls_key=a.api_tls_key, api_token=a.api_token,
+                   http_port=a.http_port, model=a.model, host=a.host, port=a.port, method=a.method,
                    default_max_new_tokens=a.default_max_new_tokens, max_new_tokens_cap=a.max_new_tokens_cap,
                    grace_s=a.grace_s, recovery_timeout_s=a.recovery_timeout_s, probe_interval_s=a.probe_interval_s,
                    probe_timeout_s=a.probe_timeout_s, max_active=a.max_active, max_queue=a.max_queue, **spec_kwargs(a))

@@ -208,7 +208,8 @@ async def _open(config: CoordinatorConfig, addresses: list[str]) -> GrpcPipeline
 
 def kv_slots(pipeline: GrpcPipeline) -> int | None:
     """KV slots per request budget: the smallest stage limit (None when no stage has one)."""
-    slots = [i.kv_limit_bytes // i.kv_bytes_per_slot for i in pipeline.infos if i.kv_limit_bytes and i.kv_bytes_per_slot]
+    slots = [i.kv_limit_bytes // i.kv_bytes_per_slot for i in pipeline.infos
+             if i.kv_limit_bytes and i.kv_bytes_per_slot]
     return min(slots) if slots else None
 
 
