@@ -12,7 +12,6 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from services.batch import Control
 from services.logs import get_logger
 from services.model.loader import resolve_model, stderr_log
 
@@ -23,6 +22,7 @@ from coordinator.drivers.grpc import GrpcPipeline
 from coordinator.engine import Engine, Finished
 from coordinator.metrics import RequestMetrics, track
 from coordinator.recovery import Recovery
+from coordinator.scaling import release_held
 from coordinator.requests import InvalidRequest, Limits, check
 from coordinator.schedulers.registry import METHODS, SpecOptions
 from coordinator.text import PromptEncoder, TextStream
@@ -81,6 +81,8 @@ class Coordinator:
 
     @classmethod
     async def connect(cls, config: CoordinatorConfig) -> "Coordinator":
+        # one coordinator owns a pipeline: what the stages hold now was left by a coordinator that died
+        await release_held(list(config.stages), set(), config.tls, config.connect_timeout_s)
         pipeline = await _open(config, list(config.stages))
         info = pipeline.infos[0]
         tokenizer, eos_ids = await asyncio.to_thread(load_tokenizer, config.model)
@@ -187,22 +189,9 @@ class Coordinator:
 
 
 async def _open(config: CoordinatorConfig, addresses: list[str]) -> GrpcPipeline:
-    """Connect to the stages. One coordinator owns a pipeline: whatever the stages still hold when it opens
-    (left by a coordinator that died, or by requests whose releases were lost) is released first."""
     pipeline = GrpcPipeline(addresses, config.max_message_mb * 1024 * 1024, config.connect_timeout_s, config.tls,
                             config.probe_interval_s, config.probe_timeout_s)
     await pipeline.start()
-    stale = sorted({r.request_id for info in pipeline.infos for r in info.requests})
-    if stale:
-        log.warning("releasing requests left on the stages", count=len(stale), request_ids=stale[:5])
-        async def release_all() -> None:
-            for rid in stale:
-                await pipeline.broadcast(Control(rid, release=True))
-        try:
-            await asyncio.wait_for(release_all(), timeout=config.connect_timeout_s)
-        except BaseException:
-            await pipeline.abort()
-            raise
     return pipeline
 
 
