@@ -5,9 +5,12 @@ Each variant (method, width, tree policy) runs every prompt alone (concurrency 1
 time between tokens (mean, p50, p90 over requests), time to first token, tokens per pipeline step, hit rate,
 throughput, and every stage's real compute per step next to the emulated stage time: when compute takes
 most of the emulated time, the machine — not the modelled GPU stage — sets the pace, and the row is flagged.
+Likewise when all stages' compute plus the draft's, per step, exceeds what the machine's cores can do in one
+emulated step (`compute_ms_per_step` > cores x emulated stage time: `machine_bound`).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import sys
@@ -16,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from services.config import parse_stage_time
+from services.config import parse_draft_time, parse_stage_time
 
 from coordinator.config import CoordinatorConfig
 from coordinator.local import LocalStages
@@ -71,6 +74,10 @@ class BenchConfig:
     temperature: float = 0.0           # > 0: sample (prompt i uses seed i + 1 for every variant)
     verifies: list[str] = field(default_factory=list)   # sweep of --verify for specpipe, sps, tree
     node_budget: int = 32              # specpipe, cb-pp: rows per micro-batch shared by requests
+    topks: list[int] = field(default_factory=list)          # sweep of specpipe's --topk (empty: default)
+    draft_rounds: list[int] = field(default_factory=list)   # sweep of specpipe's --draft-rounds
+    draft_time_ms: str = ""            # --simulate: draft cost "A[+B]" ms per call [+ per row], "measured";
+                                       # empty: 0.3 x the stage time (services/config.py parse_draft_time)
     variants: list[Variant] = field(default_factory=list)
 
     @property
@@ -79,13 +86,17 @@ class BenchConfig:
         return self.concurrency != [1]
 
     def __post_init__(self) -> None:
-        parse_stage_time(self.stage_time_ms)
+        parse_draft_time(self.draft_time_ms, parse_stage_time(self.stage_time_ms))
         if not self.concurrency or min(self.concurrency) < 1 or self.rounds < 1:
             raise ValueError("concurrency levels and rounds must be at least 1")
         if not self.variants:
             for m in self.methods:
                 if m == "specpipe":
-                    self.variants += [Variant(m, w, p) for p in self.policies for w in self.widths]
+                    extras = [tuple(e) for e in itertools.product(
+                        *([("topk", k) for k in self.topks] or [None], [("draft_rounds", r) for r in self.draft_rounds]
+                          or [None]))]
+                    self.variants += [Variant(m, w, p, tuple(x for x in e if x)) for p in self.policies
+                                      for w in self.widths for e in extras]
                 elif m == "sps" and self.sps_ks:
                     self.variants += [Variant(m, extra=(("sps_k", k),)) for k in self.sps_ks]
                 elif m == "tree" and self.tree_shapes:
@@ -124,7 +135,10 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def summarize(variant: Variant, stages: int, runs: list[dict], stage_time: tuple[float, float]) -> dict:
+def summarize(variant: Variant, stages: int, runs: list[dict], stage_time: tuple[float, float],
+              cores: int | None = None) -> dict:
+    """One row of results.json from the runs' stats. `cores` (default: this machine's) bounds the real
+    compute per step the machine can keep up with: past cores x the emulated step, the row is machine-bound."""
     tbts = [r["tbt_ms"] for r in runs]
     tokens = sum(r["tokens"] for r in runs)
     steps = sum(r["steps"] for r in runs)
@@ -136,12 +150,20 @@ def summarize(variant: Variant, stages: int, runs: list[dict], stage_time: tuple
     rows = sum(r.get("stage0_rows_computed", 0) for r in runs) / batches
     emulated = stage_time[0] + stage_time[1] * rows
     flagged = [i for i, c in enumerate(compute) if emulated > 0 and c > OVERRUN * emulated]
+    cores = _cores() if cores is None else cores
+    per_step = sum(compute) + sum(r.get("draft_ms", 0.0) for r in runs) / batches   # stages' + draft's compute
+    machine_bound = per_step > cores * emulated if emulated > 0 else None            # None: no emulated time
     return {"method": variant.method, "label": variant.label, "width": variant.width, "tree_policy": variant.policy,
             "stages": stages, "concurrency": 1, "requests": len(runs),
             "tbt_ms_mean": statistics.fmean(tbts) if tbts else 0.0, "tbt_ms_p50": percentile(tbts, 0.5),
             "tbt_ms_p90": percentile(tbts, 0.9),
             "ttft_ms_mean": statistics.fmean(r["ttft_ms"] for r in runs) if runs else 0.0,
             "tokens_per_step": tokens / steps if steps else 0.0,
+            "decode_tokens_per_step": (sum(r["tokens"] - 1 for r in runs) / decode_steps
+                                       if (decode_steps := sum(r.get("decode_steps", 0) for r in runs)) else 0.0),
+            "lag_steps": sum(r.get("lag_steps", 0) for r in runs) / max(len(runs), 1),
+            "refill_steps": sum(r.get("refill_steps", 0) for r in runs) / max(len(runs), 1),
+            "warm_restarts": sum(r.get("warm_restarts", 0) for r in runs) / max(len(runs), 1),
             "hit_rate": hits / (hits + misses) if variant.method != "pp" and hits + misses else None,
             "throughput_tok_s": tokens / wall if wall else 0.0, "steps": steps, "tokens": tokens, "wall_s": wall,
             "draft_share": sum(r.get("draft_ms", 0.0) for r in runs) / (wall * 1e3) if wall else 0.0,
@@ -149,7 +171,8 @@ def summarize(variant: Variant, stages: int, runs: list[dict], stage_time: tuple
             "overhead_share": _mean([r["overhead_share"] for r in runs if "overhead_share" in r]),
             "overhead_ms_per_trip": _mean([r["overhead_ms_mean"] for r in runs if "overhead_ms_mean" in r]),
             "result_bytes_per_step": sum(r.get("result_bytes", 0.0) for r in runs) / batches,
-            "compute_overrun_stages": flagged}
+            "compute_overrun_stages": flagged, "compute_ms_per_step": per_step, "machine_bound": machine_bound,
+            "machine_cores": cores}
 
 
 async def run_bench(cfg: BenchConfig, log=print) -> dict:
@@ -218,18 +241,20 @@ async def _one(coordinator: Coordinator, v: Variant, prompt: dict, max_new: int,
 
 def table(result: dict) -> str:
     rows = result["rows"]
-    head = f"{'S':>3} {'c':>3} {'variant':<28} {'tbt ms':>8} {'p90':>8} {'ttft ms':>8} {'tok/step':>9} " \
+    head = f"{'S':>3} {'c':>3} {'variant':<34} {'tbt ms':>8} {'p90':>8} {'ttft ms':>8} {'tok/step':>9} {'dec/stp':>8} " \
            f"{'hit':>6} {'tok/s':>7} {'draft%':>7} {'ovh%':>6}  flags"
     lines = [head, "-" * len(head)]
     for r in rows:
         hit = f"{r['hit_rate']:.2f}" if r["hit_rate"] is not None else "-"
         flag = f"compute>{OVERRUN:.0%} of emulated at stages {r['compute_overrun_stages']}" \
             if r["compute_overrun_stages"] else ""
+        if r.get("machine_bound"):
+            flag += ("; " if flag else "") + machine_bound_flag(r)
         tps = f"{r['tokens_per_step']:.2f}" if r["tokens_per_step"] is not None else "-"
         ovh = f"{100 * r['overhead_share']:.1f}%" if r.get("overhead_share") is not None else "-"
-        lines.append(f"{r['stages']:>3} {r['concurrency']:>3} {r['label']:<28} {r['tbt_ms_mean']:>8.1f} "
+        lines.append(f"{r['stages']:>3} {r['concurrency']:>3} {r['label']:<34} {r['tbt_ms_mean']:>8.1f} "
                      f"{r['tbt_ms_p90']:>8.1f} "
-                     f"{r['ttft_ms_mean']:>8.0f} {tps:>9} {hit:>6} "
+                     f"{r['ttft_ms_mean']:>8.0f} {tps:>9} {r.get('decode_tokens_per_step') or 0:>8.2f} {hit:>6} "
                      f"{r['throughput_tok_s']:>7.2f} {100 * r['draft_share']:>6.1f}% {ovh:>6}  {flag}")
     from coordinator.bench_load import ratios
     lines += ratios(rows)
@@ -239,6 +264,11 @@ def table(result: dict) -> str:
             lines.append(f"    S={r['stages']} {r['label']}: {base[r['stages']] / r['tbt_ms_mean']:.2f}x lower "
                          "time between tokens than pp")
     return "\n".join(lines)
+
+
+def machine_bound_flag(r: dict) -> str:
+    return (f"machine-bound: compute {r['compute_ms_per_step']:.0f} ms/step > {r['machine_cores']} cores x "
+            f"{r['emulated_stage_ms']:.0f} ms")
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -255,6 +285,8 @@ def main_args(p) -> None:
     p.add_argument("--methods", default="pp,specpipe")
     p.add_argument("--widths", default="16", help="comma-separated widths for specpipe")
     p.add_argument("--tree-policies", default="hybrid", help="comma-separated: layer,best-first,hybrid")
+    p.add_argument("--topks", default="", help="comma-separated children per node to sweep for specpipe")
+    p.add_argument("--draft-rounds", default="", help="comma-separated draft calls per step to sweep for specpipe")
     p.add_argument("--stage-time-ms", default="120")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--prompts", default="", help="JSON lines {\"prompt\": ..., \"raw\": false} (or "
@@ -262,7 +294,7 @@ def main_args(p) -> None:
     p.add_argument("--num-prompts", type=int, default=4, help="how many prompts to use (0 = all)")
     p.add_argument("--out", default="bench-out")
     p.add_argument("--model", default="default")
-    p.add_argument("--draft", default="quant", choices=["quant", "ngram", "model", "none"])
+    p.add_argument("--draft", default="quant", choices=["quant", "quant+ngram", "ngram", "model", "none"])
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
@@ -279,6 +311,10 @@ def main_args(p) -> None:
     p.add_argument("--verifies", default="", help="comma-separated: match,rejection (specpipe, sps, tree)")
     p.add_argument("--simulate", action="store_true",
                    help="simulated clock: real model outputs, modelled stage time (fast sweeps of S)")
+    p.add_argument("--draft-time-ms", default=None,
+                   help="with --simulate: what the draft costs the coordinator, 'A' or 'A+B' = A ms per draft "
+                        "model call + B ms per row it computes (e.g. 36+0.075), or 'measured' = its measured "
+                        "CPU time; default 0.3 x --stage-time-ms (ngram drafts are free)")
     p.add_argument("--hf-reference", action="store_true",
                    help="also time transformers' generate and generate(assistant_model=<quant draft>) in-process")
 
@@ -292,7 +328,7 @@ def config_from_args(a) -> BenchConfig:
                        out=a.out, model=a.model, draft=a.draft, dtype=a.dtype, device=a.device, threads=a.threads,
                        hf_reference=a.hf_reference, sps_ks=ints(a.sps_k), concurrency=ints(a.concurrency),
                        rounds=a.rounds, node_budget=a.node_budget, temperature=a.temperature,
-                       verifies=strs(a.verifies),
+                       verifies=strs(a.verifies), topks=ints(a.topks), draft_rounds=ints(a.draft_rounds), draft_time_ms=getattr(a, "draft_time_ms", None) or "",
                        tree_shapes=[(n, d) for n in ints(a.tree_nodes) for d in ints(a.tree_depth or "6")])
 
 

@@ -2,7 +2,9 @@
 (coordinator/drivers/simulated.py), so S in {2, 4, 8, 16, 32} can be swept in minutes on a small machine.
 
 One in-process runner holds every layer and computes at stage 0; the other stages only take the modelled
-time `a + b * rows`. The draft's real compute time is charged to the coordinator.
+time `a + b * rows`. The draft's work is charged to the coordinator by the draft-time model
+(`--draft-time-ms`, services/config.py parse_draft_time): by default each draft model call costs
+0.3 x the stage-time model (0.3a ms + 0.3b ms per row), or its measured CPU time with `measured`.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from dataclasses import replace
 
 import torch
 
-from services.config import parse_dtype, parse_stage_time
+from services.config import describe_draft_time, parse_draft_time, parse_dtype, parse_stage_time
 from services.model.shard import load_shard
 from services.runner import StageRunner
 
@@ -31,6 +33,7 @@ def run_simulated(cfg: BenchConfig, hop_ms: float = 0.3, log=print) -> dict:
     stage_time = parse_stage_time(cfg.stage_time_ms)
     if stage_time == (0.0, 0.0):
         raise ValueError("--simulate needs a stage time model (--stage-time-ms A[+B])")
+    draft_time = parse_draft_time(cfg.draft_time_ms, stage_time)
     runner = StageRunner(load_shard(cfg.model, 0, None, parse_dtype(cfg.dtype), cfg.device), stage_index=0)
     draft = build_draft(cfg.draft, cfg.model, device=cfg.device)
     tokenizer, _ = load_tokenizer(cfg.model)
@@ -45,19 +48,32 @@ def run_simulated(cfg: BenchConfig, hop_ms: float = 0.3, log=print) -> dict:
             for v in cfg.variants:
                 spec = replace(SpecOptions(draft), **v.overrides())
                 sched = make_scheduler(v.method, num_stages, spec)
-                pipe = SimulatedPipeline([runner], stage_time, num_stages=num_stages, hop_ms=hop_ms)
+                pipe = SimulatedPipeline([runner], stage_time, num_stages=num_stages, hop_ms=hop_ms,
+                                         draft_time=draft_time)
                 rid = f"sim{next(ids)}"
+                calls, drows = (draft.calls, draft.rows) if draft is not None else (0, 0)
                 o = pipe.run(sched, [Request(rid, prompt, cfg.max_new_tokens)], draft=draft)[rid]
-                stats = dict(o.stats, tbt_ms=o.tbt_ms, ttft_ms=o.ttft_ms, wall_ms=o.end_ms - o.start_ms)
+                stats = dict(o.stats, tbt_ms=o.tbt_ms, ttft_ms=o.ttft_ms, wall_ms=o.end_ms - o.start_ms,
+                             draft_ms=pipe.draft_ms)      # the draft time charged on the simulated clock
+                if draft is not None:
+                    stats.update(draft_calls=draft.calls - calls, draft_rows=draft.rows - drows)
                 runs[v].append(stats)
                 log(f"  simulated S={num_stages} prompt {pi + 1}/{len(prompts)} {v.label}: tbt {o.tbt_ms:.1f} ms, "
                     f"{stats.get('tokens_per_step', 0):.2f} tok/step")
         for v in cfg.variants:
             row = summarize(v, num_stages, runs[v], stage_time)
-            row.update(simulated=True, stage_compute_ms=[], compute_overrun_stages=[])
+            steps = sum(r["steps"] for r in runs[v])
+            row.update(simulated=True, stage_compute_ms=[], compute_overrun_stages=[], compute_ms_per_step=None,
+                       machine_bound=False,
+                       draft_calls_per_step=sum(r.get("draft_calls", 0) for r in runs[v]) / steps if steps else 0.0,
+                       draft_rows_per_step=sum(r.get("draft_rows", 0) for r in runs[v]) / steps if steps else 0.0)
             rows.append(row)
     return {"config": {"stages": cfg.stages, "variants": [v.label for v in cfg.variants], "simulate": True,
                        "stage_time_ms": cfg.stage_time_ms, "emulated_stage_time": True, "hop_ms": hop_ms,
                        "max_new_tokens": cfg.max_new_tokens, "num_prompts_used": len(prompts), "model": cfg.model,
-                       "draft": cfg.draft, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+                       "draft": cfg.draft,
+                       "draft_time_ms": {"measured_scale": draft_time[1]} if draft_time[0] == "measured" else
+                       {"per_call_ms": draft_time[0], "per_row_ms": draft_time[1]},
+                       "draft_time_model": describe_draft_time(cfg.draft_time_ms, draft_time),
+                       "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
             "rows": rows}

@@ -31,6 +31,7 @@ BENCH_EXAMPLES = """examples:
   specpipe bench --stages 8 --stage-time-ms 120 --methods pp,specpipe --widths 1,4,16 \\
       --tree-policies layer,best-first --out out/bench
   specpipe bench --simulate --stages 4,8,16,32 --stage-time-ms 120 --out out/sim
+  specpipe bench --simulate --stages 8 --stage-time-ms 120+0.25 --draft-time-ms 36+0.075 --out out/sim8
   specpipe bench --concurrency 1,4,8,16 --methods cb-pp,specpipe --stages 4 --out out/load
 """
 LOCAL_EXAMPLES = """examples:
@@ -341,6 +342,9 @@ async def cmd_bench(args: argparse.Namespace) -> int:
     from coordinator.bench import config_from_args, log_stderr, run_bench, table
     from coordinator.progress import resolve_with_progress
 
+    if args.draft_time_ms is not None and not args.simulate:
+        raise ValueError("--draft-time-ms models the draft's time on the simulated clock: add --simulate, or drop "
+                         "it (real runs time the draft as it runs)")
     cfg = config_from_args(args)
     cfg.model = await asyncio.to_thread(resolve_with_progress, cfg.model)
     if args.simulate and (cfg.load or cfg.temperature or cfg.verifies):

@@ -21,13 +21,14 @@ class CoordinatorConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     method: str = "specpipe"             # default method
-    draft: str = "quant"                 # draft source of the speculative methods: quant | model | ngram | none
+    draft: str = "quant"                 # draft source: quant | quant+ngram | model | ngram | none
     draft_model: str = ""                # HF folder of a separate draft model (draft = model)
     draft_device: str = "cpu"
     draft_threads: int = 1               # torch threads of the coordinator (draft compute)
     width: int = _SPEC.width                           # nodes per tree layer / per step
     tree_policy: str = _SPEC.policy                    # layer | best-first | hybrid (measured best: see README)
     topk: int = _SPEC.topk                             # children proposed per node
+    draft_rounds: int = _SPEC.draft_rounds             # specpipe: draft calls per step (run-ahead)
     sps_k: int = _SPEC.sps_k                           # sps: draft tokens per trip
     tree_nodes: int = _SPEC.tree_nodes                 # tree: nodes per trip
     tree_depth: int = _SPEC.tree_depth                 # tree: expansion rounds per trip
@@ -65,9 +66,9 @@ class CoordinatorConfig:
             host, _, port = addr.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"stage address {addr!r} is not HOST:PORT")
-        if min(self.width, self.topk, self.draft_threads, self.sps_k, self.tree_nodes, self.tree_depth,
+        if min(self.width, self.topk, self.draft_rounds, self.draft_threads, self.sps_k, self.tree_nodes, self.tree_depth,
                self.pipeinfer_run, self.node_budget, self.max_active) < 1:
-            raise ValueError("width, topk, draft_threads, sps_k, tree_nodes, tree_depth, pipeinfer_run, "
+            raise ValueError("width, topk, draft_rounds, draft_threads, sps_k, tree_nodes, tree_depth, pipeinfer_run, "
                              "node_budget and max_active must be at least 1")
         if self.k8s_statefulset and "{i}" not in self.stage_template:
             raise ValueError("--k8s-statefulset needs --stages as a '{i}' template (the stages' DNS names)")
@@ -180,8 +181,9 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
     """Speculation options, shared by `specpipe coordinator`, `local` and `run`."""
     d = CoordinatorConfig
     p.add_argument("--draft", default=os.environ.get("SPECPIPE_DRAFT", d.draft),
-                   choices=["quant", "model", "ngram", "none"],
-                   help="draft source: int8 copy of the target, a draft model folder, prompt lookup, none")
+                   choices=["quant", "quant+ngram", "model", "ngram", "none"],
+                   help="draft source: int8 copy of the target (quant+ngram: plus prompt-lookup children), "
+                        "a draft model folder, prompt lookup, none")
     p.add_argument("--draft-model", default=os.environ.get("SPECPIPE_DRAFT_MODEL", d.draft_model),
                    help="HF folder of the draft model (with --draft model); same tokenizer as the target")
     p.add_argument("--draft-device", default=os.environ.get("SPECPIPE_DRAFT_DEVICE", d.draft_device))
@@ -191,6 +193,9 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-policy", default=os.environ.get("SPECPIPE_TREE_POLICY", d.tree_policy),
                    choices=["layer", "best-first", "hybrid"])
     p.add_argument("--topk", type=int, default=d.topk, help="children the draft proposes per node")
+    p.add_argument("--draft-rounds", type=int, default=d.draft_rounds,
+                   help="specpipe: draft calls per step; each expands the best not-yet-expanded nodes so a "
+                        "micro-batch can span several tree layers (layer policy: 1)")
     p.add_argument("--sps-k", type=int, default=d.sps_k, help="sps: draft tokens per trip")
     p.add_argument("--tree-nodes", type=int, default=d.tree_nodes, help="tree: nodes per trip")
     p.add_argument("--tree-depth", type=int, default=d.tree_depth, help="tree: expansion rounds per trip")
@@ -207,5 +212,6 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
 def spec_kwargs(a: argparse.Namespace) -> dict:
     return dict(draft=a.draft, draft_model=a.draft_model, draft_device=a.draft_device,
                 draft_threads=a.draft_threads, width=a.width, tree_policy=a.tree_policy, topk=a.topk,
+                draft_rounds=a.draft_rounds,
                 sps_k=a.sps_k, tree_nodes=a.tree_nodes, tree_depth=a.tree_depth, pipeinfer_run=a.pipeinfer_run,
                 pipeinfer_min_prob=a.pipeinfer_min_prob, node_budget=a.node_budget, verify=a.verify)

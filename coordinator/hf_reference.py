@@ -40,7 +40,7 @@ def hf_rows(model_ref: str, draft_kind: str, prompts: list[dict], max_new_tokens
     tok = AutoTokenizer.from_pretrained(model_ref)
     target = AutoModelForCausalLM.from_pretrained(model_ref, dtype=torch.float32).to(device).eval()
     variants: list[tuple[Variant, object | None]] = [(Variant("hf-generate"), None)]
-    if draft_kind == "quant":
+    if draft_kind in ("quant", "quant+ngram"):
         variants.append((Variant("hf-assisted"), quantized_copy(model_ref, device)))
     encoder = PromptEncoder(tok)
     runs: dict[str, list[dict]] = {v.label: [] for v, _ in variants}

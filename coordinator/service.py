@@ -92,6 +92,7 @@ class Coordinator:
         draft = await asyncio.to_thread(build_draft, config.draft, config.model, config.draft_model,
                                         config.draft_device)
         spec = SpecOptions(draft=draft, width=config.width, policy=config.tree_policy, topk=config.topk,
+                           draft_rounds=config.draft_rounds,
                            sps_k=config.sps_k, tree_nodes=config.tree_nodes, tree_depth=config.tree_depth,
                            pipeinfer_run=config.pipeinfer_run, pipeinfer_min_prob=config.pipeinfer_min_prob,
                            node_budget=config.node_budget, verify=config.verify)

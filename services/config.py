@@ -35,6 +35,41 @@ def parse_stage_time(spec: str) -> tuple[float, float]:
     return float(m.group(1)), float(m.group(2) or 0.0)
 
 
+DRAFT_TIME_SHARE = 0.3   # the simulated draft's default cost: this share of the stage-time model
+
+
+def parse_draft_time(spec: str | None, stage_time: tuple[float, float]) -> tuple[float, float] | tuple[str, float]:
+    """The simulated clock's draft-time model (`--draft-time-ms`):
+
+    - '' or None (the default): DRAFT_TIME_SHARE x the stage-time model, as (A ms per draft call, B ms per row);
+    - 'A' or 'A+B': each draft model call costs A ms plus B ms per row it computes -> (A, B);
+    - 'measured': the draft's measured CPU time -> ('measured', 1.0).
+
+    >>> parse_draft_time("", (120.0, 0.25))
+    (36.0, 0.075)
+    >>> parse_draft_time("5+0.5", (120.0, 0.0))
+    (5.0, 0.5)
+    """
+    text = (spec or "").strip()
+    if not text:
+        return round(DRAFT_TIME_SHARE * stage_time[0], 9), round(DRAFT_TIME_SHARE * stage_time[1], 9)
+    if text.lower() == "measured":
+        return "measured", 1.0
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(?:\+\s*(\d+(?:\.\d+)?))?", text)
+    if not m:
+        raise ValueError(f"draft time {spec!r} is not of the form A or A+B (ms per draft call + ms per row it "
+                         "computes, e.g. 36+0.075) or 'measured'")
+    return float(m.group(1)), float(m.group(2) or 0.0)
+
+
+def describe_draft_time(spec: str | None, model: tuple[float, float] | tuple[str, float]) -> str:
+    """One line for results.json: how the simulated clock charged the draft."""
+    if model[0] == "measured":
+        return "measured CPU" if model[1] == 1.0 else f"measured CPU x {model[1]:g}"
+    origin = f"{DRAFT_TIME_SHARE:g} x stage time" if not (spec or "").strip() else f"--draft-time-ms {spec.strip()}"
+    return f"modelled {model[0]:g} ms per draft call + {model[1]:g} ms per row ({origin})"
+
+
 def check_device(device: str) -> str:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for, but CUDA is not available on this machine")

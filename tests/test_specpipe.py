@@ -10,6 +10,7 @@ from coordinator.drafts.ngram import NgramDraft
 from coordinator.drivers.inprocess import InProcessPipeline
 from coordinator.schedulers.base import Request
 from coordinator.schedulers.specpipe import SpecPipeScheduler
+from coordinator.tree import POLICIES
 from drafts import AlwaysWrong, always_right
 from reference import hf_greedy, prompts
 from services.model.shard import load_causal_lm
@@ -31,12 +32,17 @@ def make_draft(kind: str, target, draft_model):
     return AlwaysWrong(target)
 
 
-@pytest.mark.parametrize("num_stages", [1, 2, 4, 8])
-@pytest.mark.parametrize("draft", ["quant", "ngram", "model", "right", "wrong"])
+STAGES = [1, 2, 4, 8]
+DRAFTS = ["quant", "ngram", "model", "right", "wrong"]
+
+
+@pytest.mark.parametrize("num_stages", STAGES)
+@pytest.mark.parametrize("draft", DRAFTS)
 def test_specpipe_matches_transformers(tiny_model8, tiny_hf8, tiny_draft_model, num_stages, draft):
     runners = make_runners(tiny_model8, num_stages, layers=8)
     ps = prompts(3, seed=num_stages)
-    policy = "layer" if num_stages % 2 else "best-first"
+    # every policy meets every depth and every draft source across the matrix
+    policy = POLICIES[(STAGES.index(num_stages) + DRAFTS.index(draft)) % len(POLICIES)]
     sched = SpecPipeScheduler(num_stages, make_draft(draft, tiny_model8, tiny_draft_model), width=4,
                               policy=policy)
     out = InProcessPipeline(runners).run(sched, [Request(f"r{i}", p, NEW) for i, p in enumerate(ps)])
@@ -46,9 +52,10 @@ def test_specpipe_matches_transformers(tiny_model8, tiny_hf8, tiny_draft_model, 
         assert o.stats.get("hits", 0) + o.stats.get("misses", 0) == NEW
         if draft == "wrong":
             assert o.stats.get("hits", 0) == 0, "an always-wrong draft must miss every step"
-        if draft == "right" and num_stages > 1:
+        if draft == "right" and num_stages > 1 and policy != "best-first":
             # requests arriving together share the S pipeline slots (SpecPipe-DB): a request's first
             # layer may have to wait for a free slot until its prompt's result is back, one miss
+            # (best-first ranks by cumulative score and may leave the right child out on flat distributions)
             assert o.stats.get("misses", 0) <= 1, "an always-right draft misses at most at the start"
     assert all(not r.cache.requests for r in runners), "finished requests leave nothing on any stage"
     assert not sched.trees and not sched.requests
@@ -59,7 +66,7 @@ def test_one_request_with_a_perfect_draft_commits_about_one_token_per_step(tiny_
     """Width 1 with a perfect draft is the ideal pipeline: a chain that is always right. (Wider trees rank
     by cumulative draft probability and spend nodes on other branches; the random tiny model's flat
     distributions make that costly, so the ideal is checked at width 1.)"""
-    sched = SpecPipeScheduler(8, always_right(tiny_model8), width=1, policy=policy)
+    sched = SpecPipeScheduler(8, always_right(tiny_model8), width=1, topk=1, policy=policy)
     out = InProcessPipeline(make_runners(tiny_model8, 8, layers=8)).run(sched, [Request("r", [3, 4, 5], 32)])
     # the first token needs a full trip (S steps) after the prompt; every later one ideally one step
     assert out["r"].stats["steps"] <= 8 + 32

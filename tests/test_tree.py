@@ -41,7 +41,7 @@ def test_docstring_worked_example():
     # target_next(2) = x: a miss
     assert t.matching_child(2, x) is None
     bonus, pruned = t.restart(x)
-    assert bonus == 6 and pruned == [5]
+    assert bonus == 6 and list(pruned) == [5] and pruned.injected == [5] and pruned.expanded == []
     assert t.root == 6 and set(t.nodes) == {6}
     node = t.nodes[6]
     assert node.token == x and node.committed and not node.injected and node.depth == 6
@@ -191,7 +191,7 @@ def test_commit_returns_injected_nodes_of_sibling_subtrees():
     assert t.live_injected() == [6]
     with pytest.raises(ValueError):
         t.commit(8)
-    assert t.commit(6) == []
+    assert list(t.commit(6)) == []
     assert t.root == 6 and set(t.nodes) == {6, 8} and t.nodes[6].committed
 
 
@@ -210,7 +210,7 @@ def test_restart_prunes_everything_and_adds_a_bonus():
 def test_restart_with_no_children_prunes_nothing():
     t = make_tree(root_id=5, root_depth=7)
     bonus, pruned = t.restart(3)
-    assert (bonus, pruned) == (6, [])
+    assert (bonus, list(pruned)) == (6, [])
     assert t.root == 6 and t.nodes[6].depth == 8
 
 
@@ -285,28 +285,88 @@ def test_random_operations_keep_invariants(data):
             assert not n.committed
 
 
-def test_hybrid_always_deepens_then_fills_best_first() -> None:
-    """Root 0 (depth 0). Layer 1: a (-0.1) injected, b (-0.5) candidate. a's child c (-3.0) is the only
-    candidate one layer deeper; best-first alone would take b (and b's sibling e) first and not deepen."""
+def test_hybrid_takes_the_spine_to_the_horizon_then_fills_best_first() -> None:
+    """Root 0 (depth 0). Layer 1: a (-0.1) injected, b (-0.5), e (-0.6) candidates. a's child c (-3.0) is
+    the spine; best-first alone takes b and e first and does not deepen, hybrid takes c first."""
+    def setup():
+        t = make_tree()
+        a, b, e = t.add_children(0, [(10, -0.1), (11, -0.5), (12, -0.6)])
+        assert t.select_layer(1) == [a]
+        (c,) = t.add_children(a, [(13, -2.9)])                    # cumulative -3.0 at depth 2
+        return t, b, c, e
+    t, b, c, e = setup()
+    assert t.select("best-first", 2) == [b, e]                      # control: best-first stays shallow
+    t, b, c, e = setup()
+    assert t.select("hybrid", 2, horizon=4) == [b, c]               # the spine (c) plus the best other (b)
+    assert t.nodes[c].injected and t.nodes[b].injected and not t.nodes[e].injected
+    t, b, c, e = setup()
+    assert t.select("hybrid", 2, horizon=1) == [b, e]               # c is beyond a horizon of 1 layer
+
+
+def test_select_ahead_takes_a_node_and_its_expanded_descendants_in_one_call() -> None:
+    """The docstring's example: 3 rides with its parent 1 because the draft expanded 1 before it went in."""
     t = make_tree()
-    a, b, e = t.add_children(0, [(10, -0.1), (11, -0.5), (12, -0.6)])
+    one, two = t.add_children(0, [(10, -0.1), (11, -0.5)])
+    (three,) = t.add_children(one, [(12, -0.2)])                   # 1 expanded ahead of injection
+    assert t.select_best_first(3) == [one, two]                      # one layer: 3 not eligible
+    t = make_tree()
+    one, two = t.add_children(0, [(10, -0.1), (11, -0.5)])
+    (three,) = t.add_children(one, [(12, -0.2)])
+    assert t.select_ahead(3) == [one, two, three]                    # depth order: parents first
+    assert t.lead() == 2
+    assert t.select_ahead(3) == []                                   # nothing left to take
+
+
+def test_select_ahead_puts_an_uninjected_root_first_and_respects_max_depth() -> None:
+    t = make_tree(root_depth=4)
+    t.root_node.injected = False                                     # a bonus waiting to go in
+    a, b = t.add_children(0, [(10, -0.1), (11, -0.2)])
+    (c,) = t.add_children(a, [(12, -0.1)])
+    assert t.select_ahead(1) == [0]                                  # the root even at width 1
+    t = make_tree(root_depth=4)
+    t.root_node.injected = False
+    a, b = t.add_children(0, [(10, -0.1), (11, -0.2)])
+    (c,) = t.add_children(a, [(12, -0.1)])
+    assert t.select_ahead(10, max_depth=5) == [0, a, b]              # c (depth 6) is past max_depth
+
+
+def test_to_expand_ranks_by_score_skips_eos_and_the_last_position() -> None:
+    t = make_tree(root_depth=0)
+    t.root_node.expanded = True
+    a, b, eos = t.add_children(0, [(10, -0.1), (11, -0.9), (2, -0.05)])
+    (c,) = t.add_children(a, [(12, -0.3)])                          # -0.4, depth 2
+    assert t.nodes[a].expanded and not t.nodes[b].expanded
+    assert [n.id for n in t.to_expand(1, skip=frozenset({2}))] == [c]      # -0.4 beats b's -0.9
+    assert [n.id for n in t.to_expand(2, skip=frozenset({2}))] == [b, c]   # returned parents first
+    assert eos in [n.id for n in t.to_expand(1)]                           # without skip, EOS is best
+    assert {n.id for n in t.to_expand(5, max_depth=2, skip=frozenset({2}))} == {b}   # c's children past the end
+
+
+def test_to_expand_puts_the_spine_tip_first_within_the_horizon() -> None:
+    """Siblings near the root outscore the spine's tip; hybrid's run-ahead still deepens the spine."""
+    t = make_tree(root_depth=0)
+    t.root_node.expanded = True
+    a, b, e = t.add_children(0, [(10, -1.0), (11, -1.1), (12, -1.2)])
+    (c,) = t.add_children(a, [(13, -1.0)])                          # spine tip c at -2.0
+    assert [n.id for n in t.to_expand(1)] == [b]                     # by score alone
+    assert [n.id for n in t.to_expand(1, spine_lead=4)] == [c]       # the spine first
+    assert [n.id for n in t.to_expand(1, spine_lead=2)] == [b]       # c is 2 layers down: past a lead of 2
+    assert [n.id for n in t.to_expand(2, spine_lead=4)] == [b, c]
+
+
+def test_reroot_keeps_the_expanded_subtree_of_a_proposed_child() -> None:
+    """Warm restart: the target's token is child b, proposed but not injected; b and its expanded subtree
+    stay, everything else is pruned (injected nodes for the stages, expanded ones for the draft)."""
+    t = make_tree(root_depth=3)
+    t.root_node.expanded = True
+    a, b = t.add_children(0, [(10, -0.1), (11, -0.5)])
     assert t.select_layer(1) == [a]
-    (c,) = t.add_children(a, [(13, -2.9)])                        # cumulative -3.0 at depth 2
-    assert t.select_best_first(1) == [b]                           # control: best-first stays shallow
-    t2 = make_tree()
-    a2, b2, e2 = t2.add_children(0, [(10, -0.1), (11, -0.5), (12, -0.6)])
-    t2.select_layer(1)
-    (c2,) = t2.add_children(a2, [(13, -2.9)])
-    assert t2.select_hybrid(2) == [b2, c2]                         # the spine (c2) plus the best other (b2)
-    assert t2.nodes[c2].injected and t2.nodes[b2].injected and not t2.nodes[e2].injected
-
-
-def test_hybrid_chains_through_an_expanded_spine_node() -> None:
-    """When the draft has already expanded the spine node (a lookahead), hybrid takes it and its best child
-    in one micro-batch: the tree deepens by two layers."""
-    t = make_tree()
-    (a,) = t.add_children(0, [(10, -0.1)])
-    assert t.lead() == 0 and t.spine() == a
-    (b,) = t.add_children(a, [(11, -0.2)])           # a expanded before injection
-    assert t.select_hybrid(4) == [a, b]
-    assert t.lead() == 2 and t.spine() is None        # b not expanded yet: nothing deeper to take
+    t.nodes[a].expanded = True
+    (a1,) = t.add_children(a, [(12, -0.1)])
+    (b1, b2) = t.add_children(b, [(13, -0.1), (14, -0.2)])           # b expanded ahead of injection
+    with pytest.raises(ValueError):
+        t.reroot(a)                                                  # injected: that is a hit, not a miss
+    pruned = t.reroot(b)
+    assert t.root == b and t.root_node.committed and not t.root_node.injected and t.root_node.depth == 4
+    assert set(t.nodes) == {b, b1, b2}
+    assert pruned.injected == [a] and pruned.expanded == [a] and a1 not in list(pruned)

@@ -45,6 +45,11 @@ class DraftSource(ABC):
 
     def __init__(self) -> None:
         self.compute_s = 0.0        # time spent proposing, for the draft-time share
+        # model calls made and rows they computed (prefills included), for the simulated clock's modelled
+        # draft time (coordinator/drivers/simulated.py); 0 for sources that run no model (ngram). Read them
+        # only as `draft.calls` / `draft.rows`: a composite source sums its parts'.
+        self.calls = 0
+        self.rows = 0
 
     @abstractmethod
     def begin(self, request_id: str, prompt_ids: list[int], sampling: Sampling = GREEDY,

@@ -1,4 +1,4 @@
-"""Build the configured draft source: quant | model | ngram | none."""
+"""Build the configured draft source: quant | quant+ngram | model | ngram | none."""
 from __future__ import annotations
 
 from services.config import parse_dtype
@@ -6,10 +6,11 @@ from services.model.loader import resolve_model, stderr_log
 from services.model.shard import load_causal_lm
 
 from coordinator.drafts.base import DraftSource
+from coordinator.drafts.combined import CombinedDraft
 from coordinator.drafts.model import ModelDraft, check_same_tokenizer, quantized_copy
 from coordinator.drafts.ngram import NgramDraft
 
-DRAFTS = ("quant", "model", "ngram", "none")
+DRAFTS = ("quant", "quant+ngram", "model", "ngram", "none")
 
 
 def build_draft(kind: str, target: str, draft_model: str = "", device: str = "cpu",
@@ -23,6 +24,8 @@ def build_draft(kind: str, target: str, draft_model: str = "", device: str = "cp
     target_ref = resolve_model(target, log=stderr_log)
     if kind == "quant":
         return ModelDraft(quantized_copy(target_ref, device), name="quant")
+    if kind == "quant+ngram":
+        return CombinedDraft(ModelDraft(quantized_copy(target_ref, device), name="quant"), NgramDraft())
     if not draft_model:
         raise ValueError("--draft model needs --draft-model PATH (a Hugging Face folder)")
     draft_ref = resolve_model(draft_model, log=stderr_log)

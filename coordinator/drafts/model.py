@@ -47,8 +47,16 @@ class ModelDraft(DraftSource):
             raise result
         return result
 
-    def expand_many(self, jobs: list[tuple[str, list[DraftNode]]], k: int) -> list[Proposals | Exception]:
-        """One forward of the draft over the nodes of every request in `jobs`."""
+    def expand_many(self, jobs: list[tuple[str, list[DraftNode]]], k: int,
+                    extra: list[list[list[int]]] | None = None) -> list[Proposals | Exception]:
+        """One forward of the draft over the nodes of every request in `jobs`.
+
+        extra (optional, for CombinedDraft): per job, per node, more tokens to score from the same log-prob
+        rows; each one not among the node's k children and inside the draft's support is appended after
+        them as (token, the draft's log-prob of it: the warped one when sampling), in the given order. The
+        appended part is not sorted into the children: the caller merges."""
+        wanted = {rid: {n.node_id: toks for n, toks in zip(nodes, ex)}
+                  for (rid, nodes), ex in zip(jobs, extra)} if extra is not None else {}
         segments = [Segment(rid, [n.node_id for n in nodes], [n.parent_id for n in nodes],
                             [n.position for n in nodes], [n.token for n in nodes], [True] * len(nodes))
                     for rid, nodes in jobs if nodes]
@@ -63,21 +71,25 @@ class ModelDraft(DraftSource):
                 continue
             n = seg.rows                     # every kept row asked for output
             rows, row = out.logprobs[row:row + n], row + n
-            by_request[seg.request_id] = dict(zip(seg.node_ids, self._propose(seg, rows, k)))
+            by_request[seg.request_id] = dict(zip(seg.node_ids,
+                                                  self._propose(seg, rows, k, wanted.get(seg.request_id))))
         results: list[Proposals | Exception] = []
         for rid, nodes in jobs:
             got = by_request.get(rid, {})
             results.append(got if isinstance(got, Exception) else [got.get(n.node_id, []) for n in nodes])
         return results
 
-    def _propose(self, seg: Segment, logprobs: torch.Tensor, k: int) -> Proposals:
+    def _propose(self, seg: Segment, logprobs: torch.Tensor, k: int,
+                 extra: dict[int, list[int]] | None = None) -> Proposals:
         """Children of each row: the top k by log-prob when greedy; when sampling, the top k of the warped
-        log-probs plus noise (coupled with the target's for match, the draft's own for rejection)."""
+        log-probs plus noise (coupled with the target's for match, the draft's own for rejection). `extra`:
+        node -> tokens to append with their scores (see expand_many)."""
         sampling, keep_q = self.sampling.get(seg.request_id, (GREEDY, False))
         k = min(k, logprobs.shape[-1])
         if sampling.greedy:
             top = logprobs.topk(k, dim=-1)
-            return [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+            out = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+            return self._append_extra(seg, logprobs, out, extra) if extra else out
         q = warp(logprobs, sampling)
         positions = [p + 1 for p in seg.positions]
         keys = q + gumbel(sampling.seed, positions, q.shape[-1], q.device, salt=1 if keep_q else 0)
@@ -93,6 +105,22 @@ class ModelDraft(DraftSource):
                 score = best if j == 0 else min(score, float(q[i, tok]))
                 props.append((tok, score))
             out.append(props)
+        return self._append_extra(seg, q, out, extra) if extra else out
+
+    @staticmethod
+    def _append_extra(seg: Segment, scores: torch.Tensor, out: Proposals,
+                      extra: dict[int, list[int]]) -> Proposals:
+        """Append each extra token of a row that is not a child yet, scored by its row of `scores`."""
+        vocab = scores.shape[-1]
+        for i, nid in enumerate(seg.node_ids):
+            have = {t for t, _ in out[i]}
+            for tok in extra.get(nid, ()):
+                if tok in have or not 0 <= tok < vocab:
+                    continue
+                score = float(scores[i, tok])
+                if score != float("-inf"):       # outside the (warped) support: never a child
+                    have.add(tok)
+                    out[i].append((tok, score))
         return out
 
     def take_q(self, request_id: str, node_id: int) -> torch.Tensor | None:
@@ -107,7 +135,10 @@ class ModelDraft(DraftSource):
     def _step(self, segments: list[Segment], want: bool) -> MicroBatch:
         started = time.perf_counter()
         self._batch += 1
-        out = self.runner.step(MicroBatch(self._batch, segments, return_logprobs=want))
+        batch = MicroBatch(self._batch, segments, return_logprobs=want)
+        self.calls += 1
+        self.rows += batch.rows
+        out = self.runner.step(batch)
         self.compute_s += time.perf_counter() - started
         return out
 

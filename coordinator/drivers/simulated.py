@@ -6,8 +6,10 @@ Model (all in milliseconds):
 - stage i takes `a + b * rows` per micro-batch (the emulated stage time), one micro-batch at a time, FIFO;
 - each hop (coordinator -> stage 0, stage -> stage, last stage -> coordinator) adds `hop_ms`;
 - the coordinator handles one event at a time; the actions an event produces leave when it is handled, then
-  the scheduler's deferred draft work runs for the draft compute time it really took (measured), times
-  `draft_scale`, and its actions leave after that — as in the gRPC engine;
+  the scheduler's deferred draft work runs, and its actions leave after that — as in the gRPC engine. The
+  draft work takes, by `draft_time`: (A, B) -> A ms per draft model call plus B ms per row those calls
+  computed (modelled, from the draft's `calls` and `rows` counters; a draft that runs no model is free), or
+  ("measured", scale) -> the draft's measured CPU compute time times `scale`;
 - control messages reach every stage at once.
 """
 from __future__ import annotations
@@ -44,19 +46,37 @@ class SimOutcome:
 
 class SimulatedPipeline:
     def __init__(self, runners: list[StageRunner], stage_ms: tuple[float, float], num_stages: int | None = None,
-                 hop_ms: float = 0.3, draft_scale: float = 1.0) -> None:
+                 hop_ms: float = 0.3,
+                 draft_time: tuple[float, float] | tuple[str, float] = ("measured", 1.0)) -> None:
         """`runners` compute, in order, at the first len(runners) of `num_stages` simulated stages; the other
         stages only take time. One runner holding every layer is the cheapest way to simulate deep pipelines
         (SmolLM2 has 30 layers, so S=32 cannot be split for real)."""
         num_stages = num_stages or len(runners)
         if not runners or num_stages < len(runners):
             raise ValueError("need at least one runner and no more runners than stages")
-        self.runners, self.stage_ms, self.hop_ms, self.draft_scale = runners, stage_ms, hop_ms, draft_scale
+        if draft_time[0] == "measured":
+            if not draft_time[1] >= 0:
+                raise ValueError(f"measured draft time scale {draft_time[1]!r} must be 0 or more")
+        elif len(draft_time) != 2 or not all(isinstance(x, (int, float)) and x >= 0 for x in draft_time):
+            raise ValueError(f"draft time model {draft_time!r} is neither (A ms per call, B ms per row) with "
+                             "A, B >= 0 nor ('measured', scale)")
+        self.runners, self.stage_ms, self.hop_ms, self.draft_time = runners, stage_ms, hop_ms, tuple(draft_time)
         self.num_stages = num_stages
+        self.draft_ms = 0.0         # draft time charged to the coordinator in the last run
+
+    def _draft_counters(self, draft) -> tuple[float, int, int]:
+        return (draft.compute_s, draft.calls, draft.rows) if draft is not None else (0.0, 0, 0)
+
+    def _draft_spent(self, before: tuple[float, int, int], after: tuple[float, int, int]) -> float:
+        """Milliseconds the draft work between two counter readings takes on the simulated clock."""
+        if self.draft_time[0] == "measured":
+            return (after[0] - before[0]) * 1e3 * self.draft_time[1]
+        per_call, per_row = self.draft_time
+        return per_call * (after[1] - before[1]) + per_row * (after[2] - before[2])
 
     def run(self, scheduler: Scheduler, requests: list[Request], draft=None) -> dict[str, SimOutcome]:
         """Run requests (all arriving at time 0, in order) to completion on the simulated clock. `draft` is
-        the scheduler's draft source, whose measured compute time is charged to the coordinator."""
+        the scheduler's draft source, whose work is charged to the coordinator by `draft_time`."""
         S = self.num_stages
         events: list = []
         seq = itertools.count()
@@ -65,6 +85,7 @@ class SimulatedPipeline:
         coord_free = 0.0
         out = {r.request_id: SimOutcome() for r in requests}
         live = set(out)
+        self.draft_ms = 0.0
 
         def push(t: float, kind: str, payload) -> None:
             heapq.heappush(events, (t, next(seq), kind, payload))
@@ -90,9 +111,10 @@ class SimulatedPipeline:
             fn(*args)
             dispatch(t)
             while scheduler.has_work:
-                before = draft.compute_s if draft is not None else 0.0
+                before = self._draft_counters(draft)
                 scheduler.work()
-                spent = ((draft.compute_s - before) * 1e3 * self.draft_scale) if draft is not None else 0.0
+                spent = self._draft_spent(before, self._draft_counters(draft))
+                self.draft_ms += spent
                 t += spent
                 dispatch(t)
             return t

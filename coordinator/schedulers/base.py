@@ -9,6 +9,8 @@ simulated clock.
 Steps are counted on a logical pipeline clock: a micro-batch injected at step t comes back at step t + S;
 injections happen at most one per step. A request's `steps` run from its first injection to its last
 result, so plain pipelining of one request needs S steps per token and the ideal SpecPipe needs one.
+`decode_tokens_per_step` counts from the first committed token to the last (the first trip excluded): the
+quantity time between tokens follows.
 """
 from __future__ import annotations
 
@@ -67,6 +69,8 @@ class RequestState:
     in_flight: int = 0                                      # micro-batches of this request in the pipeline
     first_step: int | None = None
     last_step: int = 0
+    first_commit_step: int | None = None                    # step of the first committed token
+    last_commit_step: int = 0
     counters: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -94,6 +98,7 @@ class Scheduler(ABC):
         self._next_batch = 0
         self._batches: dict[int, tuple[int, list[str]]] = {}   # batch id -> (inject step, request ids)
         self._clock = 0              # logical step of the latest event
+        self._result_batch = -1      # id of the micro-batch being handled by on_result
         self._last_inject = -1
 
     # -- events -------------------------------------------------------------------------------------
@@ -110,6 +115,7 @@ class Scheduler(ABC):
 
     def on_result(self, batch: MicroBatch) -> None:
         inject_step, request_ids = self._batches.pop(batch.batch_id, (self._clock, []))
+        self._result_batch = batch.batch_id
         self._clock = max(self._clock, inject_step + self.num_stages)
         share = 1 / len(request_ids) if request_ids else 0.0
         for rid in request_ids:
@@ -218,6 +224,9 @@ class Scheduler(ABC):
         state.committed.extend(node_ids)
         state.generated.extend(tokens)
         if tokens:
+            if state.first_commit_step is None:
+                state.first_commit_step = self._clock
+            state.last_commit_step = self._clock
             self._actions.append(Emit(state.request.request_id, tokens))
         if tokens and tokens[-1] in state.request.eos_ids:
             self._finish(state, "eos")
@@ -248,7 +257,11 @@ class Scheduler(ABC):
     def stats(self, state: RequestState) -> dict[str, float]:
         steps = state.last_step - (state.first_step or 0)
         n = len(state.generated)
+        decode = state.last_commit_step - (state.first_commit_step or 0)
         out = {"steps": float(steps), "tokens": float(n),
-               "tokens_per_step": n / steps if steps else 0.0}
+               "tokens_per_step": n / steps if steps else 0.0,
+               # from the first committed token to the last: what time between tokens follows
+               "decode_steps": float(decode),
+               "decode_tokens_per_step": (n - 1) / decode if decode else 0.0}
         out.update(state.counters)
         return out

@@ -6,7 +6,8 @@ is full. Whenever a slot is free, `_dispatch` builds the next micro-batch from e
 
 1. Running requests first, in round-robin order. Each gets an equal share of the budget,
    `share = max(1, node_budget // requests)` rows, counting every request the scheduler holds (running,
-   prefilling, or waiting for its rows to come back); the subclass may take fewer (`_next_rows`).
+   prefilling, or waiting for its rows to come back); the subclass may take fewer (`_next_rows`). A request
+   held alone is not capped by the budget (`_solo_share`: specpipe's width may exceed it).
 2. Prefill chunks then take what is left, oldest request first. A prompt longer than what is left
    continues in the next micro-batch; the pipeline keeps a request's micro-batches in order, so a chunk
    always finds the KV of the chunk before it. Only the last prompt row asks for output.
@@ -46,6 +47,15 @@ class BatchingScheduler(Scheduler):
 
     def _admitted(self, state: RequestState) -> None:
         """The request's prompt nodes exist (state.committed) and are about to be prefilled."""
+
+    def _solo_share(self) -> int:
+        """Rows a request may take when it is the only one held (the budget shares rows between requests;
+        it does not cap a lone request)."""
+        return self.node_budget
+
+    def _share(self) -> int:
+        n = len(self.requests)
+        return self._solo_share() if n <= 1 else max(1, self.node_budget // n)
 
     def _decode_cap(self) -> int:
         """At most this many rows of running requests per micro-batch."""
@@ -88,10 +98,11 @@ class BatchingScheduler(Scheduler):
         running = [r for r in rids if r not in self.prefill_next and self._ready(self.requests[r])]
         if not prefilling and not running:
             return []
-        share = max(1, self.node_budget // len(self.requests))
+        share = self._share()
+        solo = len(self.requests) == 1           # a lone request's decode rows are capped by its share only
         segments: list[Segment] = []
-        left = self.node_budget
-        decode_left = self._decode_cap()
+        left = share if solo else self.node_budget
+        decode_left = share if solo else self._decode_cap()
         for rid in running:
             if left <= 0 or decode_left <= 0:
                 break
@@ -103,7 +114,8 @@ class BatchingScheduler(Scheduler):
         for rid in prefilling:
             if left <= 0 and segments:
                 break
-            segments.append(self._prefill_chunk(self.requests[rid], max(left, 1)))
+            used = sum(seg.rows for seg in segments)
+            segments.append(self._prefill_chunk(self.requests[rid], max(min(left, self.node_budget - used), 1)))
             left -= segments[-1].rows
         return segments
 

@@ -20,6 +20,7 @@ class SpecOptions:
     width: int = 16
     policy: str = "hybrid"
     topk: int = 8
+    draft_rounds: int = 2     # specpipe: draft calls per step (run-ahead; layer: 1)
     sps_k: int = 4            # sps: draft tokens per trip
     tree_nodes: int = 32      # tree: nodes per trip
     tree_depth: int = 6       # tree: expansion rounds per trip
@@ -39,7 +40,7 @@ def make_scheduler(method: str, num_stages: int, spec: SpecOptions | None = None
         if spec.draft is None:
             raise ValueError("method 'specpipe' needs a draft source (--draft quant|ngram|model)")
         return SpecPipeScheduler(num_stages, spec.draft, spec.width, spec.policy, spec.topk, spec.node_budget,
-                                 spec.verify)
+                                 spec.verify, spec.draft_rounds)
     if method in ("sps", "tree", "pipeinfer"):
         if spec.draft is None:
             raise ValueError(f"method {method!r} needs a draft source (--draft quant|ngram|model)")

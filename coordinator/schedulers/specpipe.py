@@ -1,20 +1,28 @@
-"""`specpipe`: one layer of a dynamic speculative token tree enters the pipeline every step (arXiv
-2504.04104), so that ideally one token commits per pipeline step instead of one per S steps.
+"""`specpipe`: a dynamic speculative token tree grows into the pipeline every step (arXiv 2504.04104), so
+that ideally one token commits per pipeline step instead of one per S steps.
 
 Per request:
 1. The prompt goes in as a committed chain; the draft proposes children of its last token.
-2. While fewer than S micro-batches of the request are in flight, grow the tree (coordinator/tree.py:
-   `layer` or `best-first`), inject the chosen nodes as one micro-batch, and let the draft propose their
-   children for the next step.
+2. While fewer than S micro-batches of the request are in flight, grow the tree (coordinator/tree.py) and
+   inject the chosen nodes as one micro-batch. Then the draft **runs ahead** (`work`): `rounds` batched
+   calls, each expanding the best not-yet-expanded nodes, injected or not, so that the next micro-batch can
+   take a node together with its already-proposed descendants (`best-first`, `hybrid`: a micro-batch spans
+   several layers and a branch that fell behind catches up in one step). `layer` is the paper's rule: one
+   layer per step, the draft expands only what was injected.
 3. When a micro-batch returns, record each node's target token and verify at the root: **hit** -> commit the
-   matching child, prune its siblings' subtrees; **miss** -> commit the target's token as a **bonus** node,
-   prune everything in flight; the bonus goes into the next micro-batch with its first children.
+   matching child, prune its siblings' subtrees; **miss** -> the target's token becomes the root: when the
+   draft had proposed it, that child and its expanded subtree (warm restart, `reroot`); else a fresh
+   **bonus** node, which the draft expands before it goes in, so it travels with its children.
 Commits and prunes are broadcast to every stage (which drop pruned rows they have not computed yet).
+
+Worked example (S = 4, best-first, width 4, rounds 2): the root r was injected with children a, b. The
+draft expanded a, b (round 1) and a's best child a1 (round 2). The next micro-batch is best-first over
+{a's and b's other children, a1's children...}: e.g. [a2, a1x, b1, a1y] spans depths 2 and 3.
 
 With several requests (SpecPipe-DB) every micro-batch carries the next rows of all ready requests under
 a shared node budget (coordinator/schedulers/batching.py): each request's width is
-min(width, node_budget // requests held), so trees narrow as load grows, and the draft expands the nodes
-of all requests in one batched call.
+min(width, node_budget // requests held) — a request alone may use its whole width — and the draft
+expands the nodes of all requests in one batched call per round.
 
 Greedy and lossless: every committed token is the target's argmax after the committed prefix.
 """
@@ -30,29 +38,28 @@ from coordinator.tree import POLICIES, TokenTree, TreeNode
 from coordinator.verify import VERIFIERS, verify_children
 
 
-LOOKAHEAD = 1      # spine nodes the draft may expand ahead of injection per step (hybrid, when lagging)
-
-
 class SpecPipeScheduler(BatchingScheduler):
     name = "specpipe"
 
     def __init__(self, num_stages: int, draft: DraftSource, width: int = 16, policy: str = "hybrid",
-                 topk: int = 8, node_budget: int = 32, verify: str = "match") -> None:
+                 topk: int = 8, node_budget: int = 32, verify: str = "match", rounds: int = 2) -> None:
         super().__init__(num_stages, node_budget)
-        if width < 1 or topk < 1:
-            raise ValueError("width and topk must be at least 1")
+        if width < 1 or topk < 1 or rounds < 1:
+            raise ValueError("width, topk and rounds must be at least 1")
         if policy not in POLICIES:
             raise ValueError(f"unknown tree policy {policy!r}; choose from {', '.join(POLICIES)}")
         if verify not in VERIFIERS:
             raise ValueError(f"unknown verifier {verify!r}; choose from {', '.join(VERIFIERS)}")
         self.verify = verify
-        self.draft, self.width, self.policy, self.topk = draft, width, policy, min(topk, width)
+        self.draft, self.width, self.policy, self.topk = draft, width, policy, topk
+        self.rounds = 1 if policy == "layer" else rounds     # draft calls per step (run-ahead)
         self.trees: dict[str, TokenTree] = {}
-        self.pending: dict[str, list[int]] = {}      # request -> injected nodes the draft must expand
+        self.pending: dict[str, int] = {}            # request -> draft rounds still due since its last injection
         self.begun: set[str] = set()                 # requests whose prompt the draft has seen
         # committed nodes whose rows the draft never computed (a miss at a root whose result came back before
         # the draft expanded it): they go in front of the request's next draft call, parents first
         self.unseen: dict[str, list[DraftNode]] = {}
+        self.miss_batch: dict[str, int] = {}         # request -> first micro-batch id injected after its last miss
 
     @property
     def kv_rows_per_batch(self) -> int:
@@ -61,33 +68,40 @@ class SpecPipeScheduler(BatchingScheduler):
     # -- scheduler hooks ----------------------------------------------------------------------------
     def _admitted(self, state: RequestState) -> None:
         rid, prompt = state.request.request_id, state.request.prompt_ids
-        state.count("hits", 0)
-        state.count("misses", 0)
+        for name in ("hits", "misses", "warm_restarts", "lag_steps", "refill_steps"):
+            state.count(name, 0)
         root = state.committed[-1]
         self.trees[rid] = TokenTree(root, prompt[-1], len(prompt) - 1, state.new_node)
-        self.pending[rid] = [root]          # the draft prefills and expands the root in work()
+        self.pending[rid] = self.rounds     # the draft prefills and expands the root in work()
 
     def _ready(self, state: RequestState) -> bool:
-        return state.request.request_id not in self.pending and state.in_flight < self.num_stages
+        rid = state.request.request_id
+        root = self.trees[rid].root_node
+        cold = self.policy != "layer" and not root.injected and not root.expanded   # a bonus waits for its children
+        # at least one draft round since the last injection (the next growth needs its proposals)
+        return self.pending.get(rid, 0) < self.rounds and not cold and state.in_flight < self.num_stages
+
+    def _solo_share(self) -> int:
+        return max(self.width, self.node_budget)
 
     def _next_rows(self, state: RequestState, share: int) -> Segment | None:
-        """The bonus after a miss alone, else the tree's next growth, at most min(width, share) nodes;
-        the chosen nodes then wait for the draft's expansion in work()."""
+        """The tree's next growth, at most min(width, share) nodes (`layer`: a bonus alone); the draft then
+        runs ahead in work()."""
         rid = state.request.request_id
         tree = self.trees[rid]
         root = tree.root_node
-        if not root.injected:
+        if self.policy == "layer" and not root.injected:
             root.injected = True
             chosen = [root]
         else:
-            remaining = state.request.max_new_tokens - len(state.generated)
-            width = min(self.width, share)
-            chosen = [tree.nodes[i] for i in tree.select(self.policy, width, root.depth + remaining)]
+            max_depth = root.depth + state.request.max_new_tokens - len(state.generated)
+            chosen = [tree.nodes[i] for i in tree.select(self.policy, min(self.width, share), max_depth,
+                                                         horizon=self.num_stages)]
         if not chosen:
             return None
         parent = {tree.root: state.root_parent}
         state.count("nodes_injected", len(chosen))
-        self.pending[rid] = [n.id for n in chosen]
+        self.pending[rid] = self.rounds
         return Segment(rid, [n.id for n in chosen], [parent.get(n.id, n.parent) for n in chosen],
                        [n.depth for n in chosen], [n.token for n in chosen], [True] * len(chosen))
 
@@ -103,7 +117,12 @@ class SpecPipeScheduler(BatchingScheduler):
                     if rejection and logprobs is not None:
                         node.target_p = logprobs[i]
                 i += 1
-        self._verify(state, tree)
+        committed = len(state.generated)
+        misses = state.counters["misses"]
+        if self._verify(state, tree) and len(state.generated) == committed and state.counters["misses"] == misses:
+            # nothing committed: the pipeline was refilling after a miss, or the tree lagged behind it
+            stale = self._result_batch < self.miss_batch.get(state.request.request_id, -1)
+            state.count("refill_steps" if stale else "lag_steps")
 
     def _rejection(self, state: RequestState) -> bool:
         """This request samples and is verified by rejection (the last stage ships distributions)."""
@@ -117,6 +136,7 @@ class SpecPipeScheduler(BatchingScheduler):
         self.trees.pop(rid, None)
         self.pending.pop(rid, None)
         self.unseen.pop(rid, None)
+        self.miss_batch.pop(rid, None)
         if rid in self.begun:
             self.begun.discard(rid)
             self.draft.release(rid)
@@ -136,20 +156,27 @@ class SpecPipeScheduler(BatchingScheduler):
                 node = child
             else:
                 state.count("misses")
-                proposed = any(tree.nodes[c].token == token for c in tree.root_node.children)
-                state.count("misses_proposed_not_injected" if proposed else "misses_not_proposed")
+                self.miss_batch[rid] = self._next_batch
                 root = tree.root_node
-                if not root.expanded:        # the bonus's parent must reach the draft before the bonus
-                    self.unseen.setdefault(rid, []).append(DraftNode(root.id, state.root_parent, root.depth,
-                                                                     root.token))
-                node, pruned = tree.restart(token)
-            if pruned:
-                self.draft.prune(rid, pruned)
+                proposed = next((c for c in root.children if tree.nodes[c].token == token), None)
+                state.count("misses_proposed_not_injected" if proposed is not None else "misses_not_proposed")
+                if proposed is not None and self.policy != "layer":
+                    state.count("warm_restarts")
+                    node, pruned = proposed, tree.reroot(proposed)
+                else:
+                    if not root.expanded:        # the bonus's parent must reach the draft before the bonus
+                        self.unseen.setdefault(rid, []).append(DraftNode(root.id, state.root_parent, root.depth,
+                                                                         root.token))
+                    node, pruned = tree.restart(token)
+                if self.policy != "layer" and not tree.root_node.expanded:
+                    self.pending[rid] = self.rounds           # the draft expands the new root before it goes in
+            if pruned.expanded:
+                self.draft.prune(rid, pruned.expanded)
             self.draft.commit(rid, [node], [token])
-            if not self._commit(state, [node], [token], prune=pruned):
+            if not self._commit(state, [node], [token], prune=pruned.injected):
                 return False
             if child is None:
-                break             # the bonus has no target token yet
+                break             # the new root has no target token yet
         return True
 
     def _decide(self, state: RequestState, tree: TokenTree) -> tuple[int | None, int]:
@@ -171,11 +198,14 @@ class SpecPipeScheduler(BatchingScheduler):
         return bool(self.pending)
 
     def work(self) -> None:
-        """Draft compute, kept out of the event handlers so that injections leave first: the draft
-        prefills new prompts, expands the nodes injected last (all requests in one call), lets lagging
-        trees look ahead, then the next micro-batch goes in if the pipeline has room."""
-        jobs, self.pending = self.pending, {}
-        for rid in jobs:
+        """One round of draft compute, kept out of the event handlers so that injections leave first (drivers
+        call it while `has_work`, sending the actions after each call): the draft prefills new prompts, then
+        one batched call (all requests with rounds due) expands, per request, `layer`: the injected nodes not
+        yet expanded; else its best not-yet-expanded nodes (`TokenTree.to_expand`, as many as its width).
+        Then the next micro-batch goes in if the pipeline has room: a bonus that waited for its children
+        leaves after the first round."""
+        due = list(self.pending)
+        for rid in due:
             if rid in self.requests and rid not in self.begun:
                 state = self.requests[rid]
                 try:
@@ -184,33 +214,25 @@ class SpecPipeScheduler(BatchingScheduler):
                     self.begun.add(rid)
                 except Exception as e:        # a failing draft fails its request, not the scheduler
                     self._draft_failed(state, e)
+        width = min(self.width, self._share())
+        lead = self.num_stages if self.policy == "hybrid" else 0
         expand = []
-        for rid, ids in jobs.items():
-            if rid in self.requests:
-                tree, eos = self.trees[rid], self.requests[rid].request.eos_ids
-                expand.append((rid, [tree.nodes[i] for i in ids if i in tree.nodes
-                                     and not tree.nodes[i].expanded and tree.nodes[i].token not in eos]))
+        for rid in due:
+            if rid not in self.requests:
+                self.pending.pop(rid, None)
+                continue
+            self.pending[rid] -= 1
+            if self.pending[rid] <= 0:
+                del self.pending[rid]
+            state, tree = self.requests[rid], self.trees[rid]
+            limit = tree.root_node.depth + state.request.max_new_tokens - len(state.generated)
+            if self.policy == "layer":
+                nodes = tree.to_expand(len(tree.nodes), limit, state.request.eos_ids, injected_only=True)
+            else:
+                nodes = tree.to_expand(width, limit, state.request.eos_ids, spine_lead=lead)
+            expand.append((rid, nodes))
         self._expand(expand)
-        for _ in range(LOOKAHEAD):
-            self._expand([(rid, [n]) for rid in jobs if rid in self.requests
-                          and (n := self._lookahead(self.requests[rid], self.trees[rid])) is not None])
         self._dispatch()
-
-    def _lookahead(self, state: RequestState, tree: TokenTree) -> TreeNode | None:
-        """hybrid: while the injected tree reaches fewer than S-1 layers below the root (after a re-root),
-        the draft expands the next spine node before it is injected, so the next micro-batch can carry
-        two layers and the tree catches up with the pipeline."""
-        if self.policy != "hybrid" or tree.lead() >= self.num_stages - 1:
-            return None
-        limit = tree.root_node.depth + state.request.max_new_tokens - len(state.generated)
-        nid = tree.spine(limit)
-        while nid is not None and tree.nodes[nid].expanded:      # follow already expanded spine nodes
-            best = max((tree.nodes[c] for c in tree.nodes[nid].children), key=lambda n: n.score, default=None)
-            nid = best.id if best is not None and best.depth <= limit else None
-        if nid is None or tree.nodes[nid].token in state.request.eos_ids:
-            return None
-        state.count("lookahead_nodes")
-        return tree.nodes[nid]
 
     def _expand(self, jobs: list[tuple[str, list[TreeNode]]]) -> None:
         """One draft call for the nodes of several requests; their proposals become children."""

@@ -53,7 +53,7 @@ class TripScheduler(SpecPipeScheduler):
             self._inject([Segment(rid, [root.id], [state.root_parent], [root.depth], [root.token], [True])])
             state.count("nodes_injected")
         if state.in_flight < self.max_in_flight and rid not in self.pending:
-            self.pending[rid] = []                 # the speculation is grown in work(), off the event path
+            self.pending[rid] = 1                 # the speculation is grown in work(), off the event path
 
     def work(self) -> None:
         for rid in list(self.pending):
@@ -86,7 +86,8 @@ class TripScheduler(SpecPipeScheduler):
         grown = 0
         for _ in range(self.rounds):
             take = min(self.per_round, self.budget - grown)
-            picked = [tree.nodes[i] for i in tree.select(self.policy, take, max_depth)] if take > 0 else []
+            grow = tree.select_layer if self.policy == "layer" else tree.select_best_first      # one layer per round
+            picked = [tree.nodes[i] for i in grow(take, max_depth)] if take > 0 else []
             if self.min_logp > -math.inf and picked and grown:     # confidence cut-off (PipeInfer)
                 weak = [n for n in picked if n.score - tree.nodes[n.parent].score < self.min_logp]
                 for n in weak:
@@ -108,7 +109,7 @@ class TripScheduler(SpecPipeScheduler):
         state.count("nodes_injected", len(chosen))
         state.count("trips")
         if state.in_flight < self.max_in_flight:
-            self.pending[rid] = []             # room for another run (pipeinfer)
+            self.pending[rid] = 1             # room for another run (pipeinfer)
 
 
 def make_sps(num_stages: int, draft: DraftSource, k: int, verify: str = "match") -> TripScheduler:
