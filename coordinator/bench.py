@@ -165,6 +165,7 @@ def summarize(variant: Variant, stages: int, runs: list[dict], stage_time: tuple
             "refill_steps": sum(r.get("refill_steps", 0) for r in runs) / max(len(runs), 1),
             "warm_restarts": sum(r.get("warm_restarts", 0) for r in runs) / max(len(runs), 1),
             "hit_rate": hits / (hits + misses) if variant.method != "pp" and hits + misses else None,
+            "hits": hits, "misses": misses,
             "throughput_tok_s": tokens / wall if wall else 0.0, "steps": steps, "tokens": tokens, "wall_s": wall,
             "draft_share": sum(r.get("draft_ms", 0.0) for r in runs) / (wall * 1e3) if wall else 0.0,
             "rows_per_step": rows, "stage_compute_ms": compute, "emulated_stage_ms": emulated,

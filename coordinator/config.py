@@ -32,6 +32,7 @@ class CoordinatorConfig:
     sps_k: int = _SPEC.sps_k                           # sps: draft tokens per trip
     tree_nodes: int = _SPEC.tree_nodes                 # tree: nodes per trip
     tree_depth: int = _SPEC.tree_depth                 # tree: expansion rounds per trip
+    tree_topk: int = _SPEC.tree_topk                   # tree: nodes expanded per round
     pipeinfer_run: int = _SPEC.pipeinfer_run           # pipeinfer: draft tokens per speculative run
     pipeinfer_min_prob: float = _SPEC.pipeinfer_min_prob  # pipeinfer: end runs where the draft is less sure
     node_budget: int = _SPEC.node_budget               # specpipe, cb-pp: rows per micro-batch, all requests
@@ -66,9 +67,11 @@ class CoordinatorConfig:
             host, _, port = addr.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"stage address {addr!r} is not HOST:PORT")
-        if min(self.width, self.topk, self.draft_rounds, self.draft_threads, self.sps_k, self.tree_nodes, self.tree_depth,
+        if min(self.width, self.topk, self.draft_rounds, self.draft_threads, self.sps_k, self.tree_nodes,
+               self.tree_depth, self.tree_topk,
                self.pipeinfer_run, self.node_budget, self.max_active) < 1:
-            raise ValueError("width, topk, draft_rounds, draft_threads, sps_k, tree_nodes, tree_depth, pipeinfer_run, "
+            raise ValueError("width, topk, draft_rounds, draft_threads, sps_k, tree_nodes, tree_depth, tree_topk, "
+                             "pipeinfer_run, "
                              "node_budget and max_active must be at least 1")
         if self.k8s_statefulset and "{i}" not in self.stage_template:
             raise ValueError("--k8s-statefulset needs --stages as a '{i}' template (the stages' DNS names)")
@@ -199,6 +202,7 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sps-k", type=int, default=d.sps_k, help="sps: draft tokens per trip")
     p.add_argument("--tree-nodes", type=int, default=d.tree_nodes, help="tree: nodes per trip")
     p.add_argument("--tree-depth", type=int, default=d.tree_depth, help="tree: expansion rounds per trip")
+    p.add_argument("--tree-topk", type=int, default=d.tree_topk, help="tree: nodes expanded per round")
     p.add_argument("--pipeinfer-run", type=int, default=d.pipeinfer_run, help="pipeinfer: draft tokens per run")
     p.add_argument("--pipeinfer-min-prob", type=float, default=d.pipeinfer_min_prob,
                    help="pipeinfer: end a run where the draft's probability falls below this")
@@ -213,5 +217,6 @@ def spec_kwargs(a: argparse.Namespace) -> dict:
     return dict(draft=a.draft, draft_model=a.draft_model, draft_device=a.draft_device,
                 draft_threads=a.draft_threads, width=a.width, tree_policy=a.tree_policy, topk=a.topk,
                 draft_rounds=a.draft_rounds,
-                sps_k=a.sps_k, tree_nodes=a.tree_nodes, tree_depth=a.tree_depth, pipeinfer_run=a.pipeinfer_run,
+                sps_k=a.sps_k, tree_nodes=a.tree_nodes, tree_depth=a.tree_depth, tree_topk=a.tree_topk,
+                pipeinfer_run=a.pipeinfer_run,
                 pipeinfer_min_prob=a.pipeinfer_min_prob, node_budget=a.node_budget, verify=a.verify)

@@ -93,7 +93,7 @@ class Coordinator:
                                         config.draft_device)
         spec = SpecOptions(draft=draft, width=config.width, policy=config.tree_policy, topk=config.topk,
                            draft_rounds=config.draft_rounds,
-                           sps_k=config.sps_k, tree_nodes=config.tree_nodes, tree_depth=config.tree_depth,
+                           sps_k=config.sps_k, tree_nodes=config.tree_nodes, tree_depth=config.tree_depth, tree_topk=config.tree_topk,
                            pipeinfer_run=config.pipeinfer_run, pipeinfer_min_prob=config.pipeinfer_min_prob,
                            node_budget=config.node_budget, verify=config.verify)
         admission = Admission(config.max_active, config.max_queue, kv_slots(pipeline))

@@ -105,3 +105,21 @@ def test_simulated_clock_matches_the_latency_model(tiny_model8, tmp_path):
     assert rows["pp"]["tbt_ms_mean"] == pytest.approx(41.5) and rows["pp"]["ttft_ms_mean"] == pytest.approx(41.5)
     assert rows["pp"]["tokens_per_step"] == pytest.approx(0.25) and rows["pp"]["simulated"] is True
     assert rows["specpipe/hybrid/w4"]["tokens"] == 8
+
+
+def test_specpipe_sweeps_topk_and_draft_rounds_and_rows_split_the_steps():
+    from coordinator.bench import Variant, summarize
+    cfg = BenchConfig(stages=[8], methods=["pp", "specpipe"], widths=[32, 64], policies=["hybrid"],
+                      topks=[8, 16], draft_rounds=[2])
+    labels = [v.label for v in cfg.variants]
+    assert labels == ["pp", "specpipe/hybrid/w32/topk8/rounds2", "specpipe/hybrid/w32/topk16/rounds2",
+                      "specpipe/hybrid/w64/topk8/rounds2", "specpipe/hybrid/w64/topk16/rounds2"]
+    assert cfg.variants[2].overrides() == {"topk": 16, "draft_rounds": 2, "width": 32, "policy": "hybrid"}
+    runs = [{"tbt_ms": 100.0, "ttft_ms": 900.0, "wall_ms": 5000.0, "tokens": 11, "steps": 20, "decode_steps": 10,
+             "lag_steps": 2, "refill_steps": 6, "warm_restarts": 1, "hits": 9, "misses": 2},
+            {"tbt_ms": 120.0, "ttft_ms": 900.0, "wall_ms": 5000.0, "tokens": 21, "steps": 30, "decode_steps": 30,
+             "lag_steps": 4, "refill_steps": 0, "warm_restarts": 0, "hits": 21, "misses": 0}]
+    row = summarize(Variant("specpipe", 32, "hybrid"), 8, runs, (120.0, 0.0), cores=2)
+    assert row["decode_tokens_per_step"] == pytest.approx((10 + 20) / (10 + 30))
+    assert row["tokens_per_step"] == pytest.approx(32 / 50)
+    assert (row["lag_steps"], row["refill_steps"], row["warm_restarts"]) == (3.0, 3.0, 0.5)

@@ -41,8 +41,8 @@ from coordinator.verify import VERIFIERS, verify_children
 class SpecPipeScheduler(BatchingScheduler):
     name = "specpipe"
 
-    def __init__(self, num_stages: int, draft: DraftSource, width: int = 16, policy: str = "hybrid",
-                 topk: int = 8, node_budget: int = 32, verify: str = "match", rounds: int = 2) -> None:
+    def __init__(self, num_stages: int, draft: DraftSource, width: int = 32, policy: str = "hybrid",
+                 topk: int = 16, node_budget: int = 32, verify: str = "match", rounds: int = 2) -> None:
         super().__init__(num_stages, node_budget)
         if width < 1 or topk < 1 or rounds < 1:
             raise ValueError("width, topk and rounds must be at least 1")
@@ -158,8 +158,11 @@ class SpecPipeScheduler(BatchingScheduler):
                 state.count("misses")
                 self.miss_batch[rid] = self._next_batch
                 root = tree.root_node
-                proposed = next((c for c in root.children if tree.nodes[c].token == token), None)
-                state.count("misses_proposed_not_injected" if proposed is not None else "misses_not_proposed")
+                # (with rejection an injected child outside the verified prefix may carry the token: cold restart)
+                proposed = next((c for c in root.children if tree.nodes[c].token == token
+                                 and not tree.nodes[c].injected), None)
+                carried = proposed is not None or any(tree.nodes[c].token == token for c in root.children)
+                state.count("misses_proposed_not_injected" if carried else "misses_not_proposed")
                 if proposed is not None and self.policy != "layer":
                     state.count("warm_restarts")
                     node, pruned = proposed, tree.reroot(proposed)
