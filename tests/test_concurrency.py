@@ -46,14 +46,17 @@ async def stage_infos(addrs: list[str]) -> list[stage_pb2.StageInfo]:
 
 
 async def wait_until_empty(addrs: list[str], coord) -> None:
-    """Releases travel asynchronously: wait (bounded) until no stage holds any request."""
+    """Releases travel asynchronously: wait (bounded) until no stage holds any request and no micro-batch of
+    a finished request is still on its way back (a cancelled request's last micro-batch may be in transit)."""
     for _ in range(100):
         infos = await stage_infos(addrs)
-        if all(i.active_requests == 0 and i.kv_bytes == 0 for i in infos) and coord.engine.active == 0:
+        in_flight = sum(s.in_flight for s in coord.engine._schedulers.values())
+        if all(i.active_requests == 0 and i.kv_bytes == 0 for i in infos) and coord.engine.active == 0 \
+                and in_flight == 0:
             return
         await asyncio.sleep(0.05)
     pytest.fail(f"state left behind: stages {[(i.active_requests, i.kv_bytes) for i in infos]}, "
-                f"engine {coord.engine.active}")
+                f"engine {coord.engine.active}, micro-batches in flight {in_flight}")
 
 
 @pytest.mark.parametrize("method", ["specpipe", "cb-pp"])

@@ -114,8 +114,8 @@ class BatchingScheduler(Scheduler):
         for rid in prefilling:
             if left <= 0 and segments:
                 break
-            used = sum(seg.rows for seg in segments)
-            segments.append(self._prefill_chunk(self.requests[rid], max(min(left, self.node_budget - used), 1)))
+            used = sum(seg.rows for seg in segments)          # prompts stay within the budget even alone
+            segments.append(self._prefill_chunk(self.requests[rid], max(self.node_budget - used, 1)))
             left -= segments[-1].rows
         return segments
 

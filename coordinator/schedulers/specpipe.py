@@ -84,6 +84,11 @@ class SpecPipeScheduler(BatchingScheduler):
     def _solo_share(self) -> int:
         return max(self.width, self.node_budget)
 
+    @staticmethod
+    def _max_depth(state: RequestState, tree: TokenTree) -> int:
+        """The deepest position a node of this request can still be committed at."""
+        return tree.root_node.depth + state.request.max_new_tokens - len(state.generated)
+
     def _next_rows(self, state: RequestState, share: int) -> Segment | None:
         """The tree's next growth, at most min(width, share) nodes (`layer`: a bonus alone); the draft then
         runs ahead in work()."""
@@ -94,9 +99,8 @@ class SpecPipeScheduler(BatchingScheduler):
             root.injected = True
             chosen = [root]
         else:
-            max_depth = root.depth + state.request.max_new_tokens - len(state.generated)
-            chosen = [tree.nodes[i] for i in tree.select(self.policy, min(self.width, share), max_depth,
-                                                         horizon=self.num_stages)]
+            chosen = [tree.nodes[i] for i in tree.select(self.policy, min(self.width, share),
+                                                         self._max_depth(state, tree), horizon=self.num_stages)]
         if not chosen:
             return None
         parent = {tree.root: state.root_parent}
@@ -228,7 +232,7 @@ class SpecPipeScheduler(BatchingScheduler):
             if self.pending[rid] <= 0:
                 del self.pending[rid]
             state, tree = self.requests[rid], self.trees[rid]
-            limit = tree.root_node.depth + state.request.max_new_tokens - len(state.generated)
+            limit = self._max_depth(state, tree)
             if self.policy == "layer":
                 nodes = tree.to_expand(len(tree.nodes), limit, state.request.eos_ids, injected_only=True)
             else:
