@@ -48,6 +48,12 @@ TBT = Histogram("specpipe_time_between_tokens_seconds", "Gap between consecutive
                 "observation per gap (tokens arriving together share the wait)", ["method"], buckets=TBT_BUCKETS)
 TOKENS_PER_STEP = Histogram("specpipe_tokens_per_step", "Tokens committed per pipeline step, per finished "
                             "request", ["method"], buckets=TOKENS_PER_STEP_BUCKETS)
+DECODE_TOKENS_PER_STEP = Histogram("specpipe_decode_tokens_per_step", "Tokens committed per pipeline step from "
+                                   "the first committed token to the last (what time between tokens follows), "
+                                   "per finished request", ["method"], buckets=TOKENS_PER_STEP_BUCKETS)
+STALLED_STEPS = Counter("specpipe_stalled_steps", "SpecPipe steps whose result committed nothing: kind=lag (the "
+                        "true path's next node went in late) or refill (the pipeline refilling after a miss)",
+                        ["method", "kind"])
 HIT_RATE = Histogram("specpipe_draft_hit_rate", "Share of a finished request's tokens that were accepted "
                      "draft tokens: hits / (hits + misses) (speculative methods)", ["method"], buckets=RATE_BUCKETS)
 ACCEPT_LENGTH = Histogram("specpipe_acceptance_length", "Tokens committed per draft run of a finished request "
@@ -126,6 +132,11 @@ class RequestMetrics:
         self.record_outcome(reason)
         if stats.get("steps"):
             TOKENS_PER_STEP.labels(self.method).observe(stats.get("tokens_per_step", 0.0))
+        if stats.get("decode_steps"):
+            DECODE_TOKENS_PER_STEP.labels(self.method).observe(stats.get("decode_tokens_per_step", 0.0))
+        for kind in ("lag", "refill"):
+            if stats.get(f"{kind}_steps"):
+                STALLED_STEPS.labels(self.method, kind).inc(stats[f"{kind}_steps"])
         hits, misses = stats.get("hits"), stats.get("misses")
         if hits is None or misses is None or hits + misses <= 0:
             return

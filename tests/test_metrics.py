@@ -82,7 +82,8 @@ def test_token_gaps_ttft_and_outcome_on_a_fake_clock(metrics_port):
         m.tokens(3)             # three gaps of 0.2
         clock.t = 11.5
         m.tokens(1)             # one gap of 0.4
-        m.finished("length", {"steps": 12.0, "tokens": 6.0, "tokens_per_step": 0.5, "hits": 4.0, "misses": 2.0})
+        m.finished("length", {"steps": 12.0, "tokens": 6.0, "tokens_per_step": 0.5, "hits": 4.0, "misses": 2.0,
+                           "decode_steps": 10.0, "decode_tokens_per_step": 0.5, "lag_steps": 3.0, "refill_steps": 2.0})
     after = scrape(metrics_port)
     d = lambda name, **kw: delta(before, after, name, method="tree", **kw)      # noqa: E731
     assert d("specpipe_time_to_first_token_seconds_count") == 1
@@ -95,6 +96,8 @@ def test_token_gaps_ttft_and_outcome_on_a_fake_clock(metrics_port):
     assert d("specpipe_generated_tokens_total") == 6
     assert d("specpipe_requests_total", outcome="length") == 1
     assert d("specpipe_tokens_per_step_sum") == pytest.approx(0.5)
+    assert d("specpipe_decode_tokens_per_step_sum") == pytest.approx(0.5)
+    assert d("specpipe_stalled_steps_total", kind="lag") == 3 and d("specpipe_stalled_steps_total", kind="refill") == 2
     assert d("specpipe_draft_hit_rate_sum") == pytest.approx(4 / 6)
     assert d("specpipe_acceptance_length_sum") == pytest.approx(3.0)
     assert d("specpipe_draft_tokens_total", result="hit") == 4 and d("specpipe_draft_tokens_total", result="miss") == 2
@@ -167,6 +170,9 @@ async def test_a_request_is_reflected_in_coordinator_and_stage_metrics(tiny_mode
     tbt_s = d("specpipe_time_between_tokens_seconds_sum", method="specpipe")      # first to last token
     assert ttft_s > 0 and tbt_s > 0 and ttft_s + tbt_s <= window_s
     assert d("specpipe_tokens_per_step_sum", method="specpipe") == pytest.approx(stats.tokens_per_step)
+    assert d("specpipe_decode_tokens_per_step_count", method="specpipe") == 1
+    assert d("specpipe_stalled_steps_total", method="specpipe", kind="lag") == stats.counters["lag_steps"]
+    assert d("specpipe_stalled_steps_total", method="specpipe", kind="refill") == stats.counters["refill_steps"]
     hits, misses = stats.counters["hits"], stats.counters["misses"]
     assert d("specpipe_draft_tokens_total", method="specpipe", result="hit") == hits
     assert d("specpipe_draft_hit_rate_sum", method="specpipe") == pytest.approx(hits / (hits + misses))
