@@ -45,6 +45,8 @@ class Admission:
     active: dict[str, int] = field(default_factory=dict)                    # request -> reserved slots
     queue: OrderedDict[str, int] = field(default_factory=OrderedDict)       # waiting, oldest first
     held: bool = False       # while re-partitioning: nothing starts, new requests queue (bounded)
+    max_per_client: int = 0  # running + queued requests of one client (0: no limit)
+    client_of: dict[str, str] = field(default_factory=dict)                 # request -> client, when named
 
     def __post_init__(self) -> None:
         if self.max_active < 1 or self.max_queue < 0:
@@ -54,27 +56,36 @@ class Admission:
     def reserved(self) -> int:
         return sum(self.active.values())
 
-    def offer(self, rid: str, need: int) -> bool:
-        """True: run now. False: queued. Raises Overloaded when the queue is full or it can never fit."""
+    def offer(self, rid: str, need: int, client: str = "") -> bool:
+        """True: run now. False: queued. Raises Overloaded when the queue is full, it can never fit, or its
+        client already has `max_per_client` requests running or queued (`client` "": not counted)."""
         if rid in self.active or rid in self.queue:
             raise ValueError(f"request id {rid} is already admitted")
+        if client and self.max_per_client:
+            held = sum(1 for c in self.client_of.values() if c == client)
+            if held >= self.max_per_client:
+                raise Overloaded(f"this client already has {held} requests running or queued (limit "
+                                 f"{self.max_per_client}); retry when one ends")
         if self.kv_slots is not None and need > self.kv_slots:
             raise Overloaded(f"the request needs {need} KV slots per stage (prompt, max_new_tokens and "
                              f"speculation headroom), more than the {self.kv_slots} a stage holds; "
                              "ask for fewer tokens", retryable=False)
         if not self.queue and self._fits(need):
             self.active[rid] = need
-            return True
-        if len(self.queue) >= self.max_queue:
+        elif len(self.queue) >= self.max_queue:
             raise Overloaded(f"server busy: {len(self.active)} requests running and {len(self.queue)} waiting "
                              f"(limits {self.max_active} and {self.max_queue}); retry later")
-        self.queue[rid] = need
-        return False
+        else:
+            self.queue[rid] = need
+        if client:
+            self.client_of[rid] = client
+        return rid in self.active
 
     def release(self, rid: str) -> list[str]:
         """A request ended (or left the queue); returns the queued requests that may start now, in order."""
         self.active.pop(rid, None)
         self.queue.pop(rid, None)
+        self.client_of.pop(rid, None)
         started = []
         while self.queue:
             nxt, need = next(iter(self.queue.items()))

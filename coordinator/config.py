@@ -59,6 +59,12 @@ class CoordinatorConfig:
     api_tls_key: str = ""
     api_token: str = ""                  # bearer token the public API requires (none: open)
     http_port: int = 0                   # OpenAI-compatible HTTP API on host:http_port (0 = off)
+    api_max_message_mb: int = 4          # largest request message on the public gRPC port (stage hops: max_message_mb)
+    api_max_concurrent_rpcs: int = 512   # RPCs the public gRPC port serves at once; more are refused
+    http_timeout_s: float = 30.0         # HTTP: headers and body must arrive within this
+    max_per_client: int = 0              # running + queued requests per client (API token or peer; 0 = no limit)
+    batch_timeout_s: float = 0.0         # a micro-batch not back within this is a pipeline failure (0 = derived)
+    drain_timeout_s: float = 30.0        # a re-partition drains at most this long, then moves what still runs
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -89,6 +95,11 @@ class CoordinatorConfig:
             raise ValueError(f"unknown verifier {self.verify!r}; choose from {', '.join(VERIFIERS)}")
         if self.tree_policy not in ("layer", "best-first", "hybrid"):
             raise ValueError(f"unknown tree policy {self.tree_policy!r}; choose layer, best-first or hybrid")
+        if self.api_max_message_mb < 1 or self.api_max_concurrent_rpcs < 1 or self.http_timeout_s <= 0:
+            raise ValueError("api_max_message_mb and api_max_concurrent_rpcs must be at least 1, "
+                             "http_timeout_s positive")
+        if min(self.max_per_client, self.batch_timeout_s, self.drain_timeout_s) < 0:
+            raise ValueError("max_per_client, batch_timeout_s and drain_timeout_s must be 0 or more")
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_cap:
             raise ValueError("default_max_new_tokens must be in [1, max_new_tokens_cap]")
 
@@ -141,6 +152,28 @@ class CoordinatorConfig:
                        default=float(os.environ.get("SPECPIPE_RECOVERY_TIMEOUT_S", cls.recovery_timeout_s)),
                        help="after a stage failure, wait this long for it (or its replacement) to come back "
                             "and resume every stream; then end them with UNAVAILABLE (0: at once)")
+        p.add_argument("--api-max-message-mb", type=int,
+                       default=int(os.environ.get("SPECPIPE_API_MAX_MESSAGE_MB", cls.api_max_message_mb)),
+                       help="largest request message the public gRPC API accepts (stage hops keep "
+                            "--max-message-mb)")
+        p.add_argument("--api-max-concurrent-rpcs", type=int,
+                       default=int(os.environ.get("SPECPIPE_API_MAX_CONCURRENT_RPCS", cls.api_max_concurrent_rpcs)),
+                       help="RPCs the public gRPC API serves at once; more are refused with RESOURCE_EXHAUSTED")
+        p.add_argument("--http-timeout-s", type=float,
+                       default=float(os.environ.get("SPECPIPE_HTTP_TIMEOUT_S", cls.http_timeout_s)),
+                       help="HTTP API: a request's headers and body must arrive within this")
+        p.add_argument("--max-per-client", type=int,
+                       default=int(os.environ.get("SPECPIPE_MAX_PER_CLIENT", cls.max_per_client)),
+                       help="requests one client (its API token, else its address) may have running or "
+                            "queued; more are refused with RESOURCE_EXHAUSTED (0 = no limit)")
+        p.add_argument("--batch-timeout-s", type=float,
+                       default=float(os.environ.get("SPECPIPE_BATCH_TIMEOUT_S", cls.batch_timeout_s)),
+                       help="a micro-batch that does not come back within this is a pipeline failure and is "
+                            "recovered (0: derived from the measured round trips, at least 30 s)")
+        p.add_argument("--drain-timeout-s", type=float,
+                       default=float(os.environ.get("SPECPIPE_DRAIN_TIMEOUT_S", cls.drain_timeout_s)),
+                       help="a re-partition waits this long for running requests to end, then moves the "
+                            "rest onto the new pipeline (their streams go on)")
         p.add_argument("--probe-interval-s", type=float,
                        default=float(os.environ.get("SPECPIPE_PROBE_INTERVAL_S", cls.probe_interval_s)),
                        help="health-check every stage this often (0 = off)")
@@ -158,7 +191,10 @@ class CoordinatorConfig:
                    http_port=a.http_port, model=a.model, host=a.host, port=a.port, method=a.method,
                    default_max_new_tokens=a.default_max_new_tokens, max_new_tokens_cap=a.max_new_tokens_cap,
                    grace_s=a.grace_s, recovery_timeout_s=a.recovery_timeout_s, probe_interval_s=a.probe_interval_s,
-                   probe_timeout_s=a.probe_timeout_s, max_active=a.max_active, max_queue=a.max_queue, **spec_kwargs(a))
+                   probe_timeout_s=a.probe_timeout_s, max_active=a.max_active, max_queue=a.max_queue,
+                   api_max_message_mb=a.api_max_message_mb, api_max_concurrent_rpcs=a.api_max_concurrent_rpcs,
+                   http_timeout_s=a.http_timeout_s, max_per_client=a.max_per_client,
+                   batch_timeout_s=a.batch_timeout_s, drain_timeout_s=a.drain_timeout_s, **spec_kwargs(a))
 
     @classmethod
     def from_env(cls) -> "CoordinatorConfig":

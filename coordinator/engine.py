@@ -132,6 +132,13 @@ class Engine:
                 fut.set_result(None)
 
     @property
+    def serving(self) -> bool:
+        """Whether a request submitted now can run: the pipeline is up, not failed, recovering or held by a
+        re-partition (what health checks report)."""
+        return (self.transport is not None and self.failure is None and not self.unavailable
+                and not self.suspended and not self.admission.held)
+
+    @property
     def active(self) -> int:
         """Requests the engine knows: running and queued."""
         return len(self._live)
@@ -145,7 +152,8 @@ class Engine:
 
     async def submit(self, prompt_ids: list[int], max_new_tokens: int, method: str = "",
                      eos_ids: frozenset[int] = frozenset(), request_id: str = "",
-                     spec: SpecOptions | None = None, sampling: Sampling = GREEDY) -> tuple[str, asyncio.Queue]:
+                     spec: SpecOptions | None = None, sampling: Sampling = GREEDY,
+                     client: str = "") -> tuple[str, asyncio.Queue]:
         """Start a request, waiting in the admission queue if the server is full; returns its id and its
         event queue. Raises ValueError for bad input, Overloaded when the queue is full or the request can
         never fit, RuntimeError when the pipeline has failed or the engine closes while it waits."""
@@ -160,7 +168,7 @@ class Engine:
             raise ValueError(f"request id {rid} is already running")
         request = Request(rid, list(prompt_ids), max_new_tokens, eos_ids, sampling)
         need = kv_need(len(prompt_ids), max_new_tokens, self.transport.num_stages, sched.kv_rows_per_batch)
-        runs_now = self.admission.offer(rid, need)
+        runs_now = self.admission.offer(rid, need, client)
         live = self._live[rid] = LiveRequest(sched, asyncio.Queue(), time.perf_counter(), request, method, spec, rid)
         added = False
         try:

@@ -44,6 +44,7 @@ class GenerateInput:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     request_id: str = ""          # chosen by the caller (the API binds it to its logs) or generated
+    client: str = ""              # who asks (API token or peer), for --max-per-client ("": not counted)
     spec_overrides: dict | None = None   # SpecOptions fields to change for this request (benchmarks)
 
 
@@ -96,7 +97,8 @@ class Coordinator:
                            sps_k=config.sps_k, tree_nodes=config.tree_nodes, tree_depth=config.tree_depth, tree_topk=config.tree_topk,
                            pipeinfer_run=config.pipeinfer_run, pipeinfer_min_prob=config.pipeinfer_min_prob,
                            node_budget=config.node_budget, verify=config.verify)
-        admission = Admission(config.max_active, config.max_queue, kv_slots(pipeline))
+        admission = Admission(config.max_active, config.max_queue, kv_slots(pipeline),
+                              max_per_client=config.max_per_client)
         engine = Engine(pipeline, default_method=config.method, spec=spec, admission=admission)
         await engine.start()
         log.info("coordinator connected", stages=len(config.stages), vocab=info.vocab_size,
@@ -144,12 +146,12 @@ class Coordinator:
                     yield chunk
 
     async def _generate(self, inp: GenerateInput, metrics: RequestMetrics) -> AsyncIterator[Chunk]:
-        params = self.prepare(inp)
+        params = await asyncio.to_thread(self.prepare, inp)     # tokenising a long prompt is not the loop's work
         eos = frozenset() if params.ignore_eos else self.eos_ids
         try:
             rid, events = await self.engine.submit(params.prompt_ids, params.max_new_tokens, params.method, eos,
                                                    request_id=inp.request_id, spec=self._spec(inp),
-                                                   sampling=params.sampling)
+                                                   sampling=params.sampling, client=inp.client)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
         except Overloaded as e:

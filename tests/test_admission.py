@@ -44,3 +44,17 @@ def test_kv_need_covers_sequence_and_speculation_and_rounds_like_the_cache() -> 
     assert kv_need(10, 20, 4, 1) == 64
     assert kv_need(40, 100, 8, 17) == 512      # 40 + 100 + 136 = 276 -> 512
     assert kv_need(64, 0, 1, 0) == 64 and kv_need(65, 0, 1, 0) == 128
+
+
+def test_per_client_limit_counts_running_and_queued_and_frees_on_release():
+    a = Admission(max_active=1, max_queue=4, max_per_client=2)
+    assert a.offer("a1", 1, client="alice") is True
+    assert a.offer("a2", 1, client="alice") is False          # queued behind a1: still counts
+    with pytest.raises(Overloaded, match="already has 2 requests"):
+        a.offer("a3", 1, client="alice")
+    assert a.offer("b1", 1, client="bob") is False             # other clients are not affected
+    assert a.offer("x", 1) is False                            # an unnamed client is not counted
+    assert a.release("a1") == ["a2"]
+    assert a.offer("a3", 1, client="alice") is False           # a1 ended: alice has one again
+    a.release("a2"), a.release("a3"), a.release("b1"), a.release("x")
+    assert a.client_of == {} and not a.active and not a.queue
