@@ -14,6 +14,7 @@ more; its client sees a pause, then token 8.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import time
 import uuid
@@ -33,6 +34,10 @@ log = get_logger(__name__)
 # a request that made no progress through this many stage failures in a row fails itself: it may be what
 # makes a stage fail (say its prefill runs the stage out of memory)
 MAX_FRUITLESS = 2
+# a micro-batch not back within max(MIN_BATCH_TIMEOUT_S, BATCH_TIMEOUT_FACTOR x the slowest recent round trip)
+# was lost (a stage dropped it, a stream reset after accepting it, a compute step hangs): a pipeline failure
+MIN_BATCH_TIMEOUT_S = 30.0
+BATCH_TIMEOUT_FACTOR = 10.0
 
 
 class Transport(Protocol):
@@ -50,7 +55,7 @@ class Engine:
     it waits, only `_live` and `_waiting` know it."""
 
     def __init__(self, transport: Transport, default_method: str = "pp", spec: SpecOptions | None = None,
-                 admission: Admission | None = None) -> None:
+                 admission: Admission | None = None, batch_timeout_s: float = 0.0) -> None:
         self.transport = transport
         self.default_method = default_method
         self.spec = spec or SpecOptions()
@@ -73,9 +78,14 @@ class Engine:
         self.on_failure: Callable[[BaseException, Transport], None] | None = None
         self.suspended = False         # between `suspend` and `restart`: requests wait for a new pipeline
         self._transition = asyncio.Lock()      # a restart waits for a suspend still under way
+        self.batch_timeout_s = batch_timeout_s  # 0: derived from the round trips (`batch_timeout`)
+        self._round_trips: collections.deque[float] = collections.deque(maxlen=256)   # seconds, recent
+        self._timed_out: Transport | None = None       # the transport the watchdog already reported
 
     async def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._execute()), asyncio.create_task(self._pump())]
+        self._tasks = [asyncio.create_task(self._execute(), name="engine-execute"),
+                       asyncio.create_task(self._pump(), name="engine-pump")]
+        self._watchdog = asyncio.create_task(self._watch(), name="engine-watchdog")
 
     async def close(self) -> None:
         for rid in list(self._live):
@@ -85,9 +95,35 @@ class Engine:
             await asyncio.wait_for(self._work.join(), timeout=5)
         except asyncio.TimeoutError:
             log.warning("closing with undelivered actions", left=self._work.qsize())
-        for t in self._tasks:
+        for t in [*self._tasks, self._watchdog]:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, self._watchdog, return_exceptions=True)
+
+    @property
+    def batch_timeout(self) -> float:
+        """Seconds a micro-batch may be in flight before it counts as lost."""
+        if self.batch_timeout_s > 0:
+            return self.batch_timeout_s
+        return max(MIN_BATCH_TIMEOUT_S, BATCH_TIMEOUT_FACTOR * max(self._round_trips, default=0.0))
+
+    async def _watch(self) -> None:
+        """No silent hang: a micro-batch that does not come back within `batch_timeout` fails the pipeline
+        (once per transport), and recovery runs the requests again — a stage that lost it or whose compute
+        hangs is found even while its health checks answer."""
+        while True:
+            bound = self.batch_timeout
+            await asyncio.sleep(min(1.0, bound / 4))
+            transport = self.transport
+            if not self._sent_at or transport is None or transport is self._timed_out or self.suspended:
+                continue
+            wire_id, sent = min(self._sent_at.items(), key=lambda kv: kv[1])
+            late = time.perf_counter() - sent
+            if late > bound:
+                self._timed_out = transport
+                log.error("micro-batch lost: recovering", batch=wire_id, in_flight_s=round(late, 2),
+                          bound_s=round(bound, 2))
+                self._transport_failed(TimeoutError(f"micro-batch {wire_id} not back after {late:.1f} s "
+                                                    f"(bound {bound:.1f} s)"), transport)
 
     async def drained(self, poll_s: float = 0.05) -> None:
         """Wait until no admitted request runs (queued ones stay queued) and every action they produced
@@ -108,7 +144,7 @@ class Engine:
         self.transport = transport
         self.unavailable = "" if transport is not None else why
         if transport is not None:
-            self._tasks[1:] = [asyncio.create_task(self._pump())]
+            self._tasks[1:] = [asyncio.create_task(self._pump(), name="engine-pump")]
             self._release_started(self.admission.resume(kv_slots))
         else:
             self.admission.resume(kv_slots)
@@ -283,12 +319,25 @@ class Engine:
                 sent = self._sent_at.pop(batch.batch_id, None)
                 if owner is None:
                     continue
+                if sent is not None:
+                    self._round_trips.append(time.perf_counter() - sent)
                 self._account(batch, sent)
                 sched, local_id = owner
                 batch.batch_id = local_id
-                await self._call(sched, sched.on_result, batch)
+                try:
+                    await self._call(sched, sched.on_result, batch)
+                except Exception as e:     # the scheduler failed on this result: its requests' fault
+                    self._fail_requests(sched, [s.request_id for s in batch.segments], e)
         except Exception as e:
             self._transport_failed(e, transport)
+
+    def _fail_requests(self, sched: Scheduler, wire_ids: list[str], error: BaseException) -> None:
+        """End these requests with INTERNAL (the pipeline and every other request go on)."""
+        log.error("request failed while its result was handled", requests=sorted(set(wire_ids)),
+                  error=repr(error))
+        for wire_id in dict.fromkeys(wire_ids):
+            self._spawn(self._call(sched, sched.cancel, wire_id, "failed"))
+            self._finish(Finish(wire_id, "error", {}, f"internal error while handling its result: {error!r}", 13))
 
     def _transport_failed(self, error: BaseException, transport: Transport) -> None:
         if self.on_failure is not None:
@@ -378,7 +427,7 @@ class Engine:
             self.transport, self.failure, self.unavailable = transport, None, ""
             self.suspended = False
             self._schedulers.clear()        # built for the old depth while suspended (none holds a request)
-            self._tasks[1:] = [asyncio.create_task(self._pump())]
+            self._tasks[1:] = [asyncio.create_task(self._pump(), name="engine-pump")]
             rerun = 0
             for rid, live in list(self._live.items()):
                 if live.started and await self._rerun(rid, live):

@@ -2,7 +2,9 @@
 
 `Repartitioner.scale(n)` converges the pipeline to n stages:
 1. hold: new requests wait in the admission queue (bounded by --max-queue; beyond it RESOURCE_EXHAUSTED);
-2. drain: requests already running finish on the old pipeline (nothing is lost or restarted);
+2. drain: requests already running finish on the old pipeline (nothing is lost or restarted) — for at most
+   --drain-timeout-s; then the old pipeline is dropped and what still runs goes on on the new one from its
+   prompt plus the tokens it streamed (Engine.suspend / restart, as after a stage failure);
 3. re-partition: every stage 0..n-1 gets its even share of the layers and its next hop (Stage/Configure;
    a stage reads only the layers it now holds);
 4. resume on the new pipeline (schedulers are rebuilt for the new depth), or, for n = 0, answer every
@@ -137,7 +139,16 @@ class Repartitioner:
                  running=len(engine.admission.active))
         engine.admission.hold()
         c.draining = c.pipeline                 # a stage failure now is handed to us (coordinator/recovery.py)
-        await engine.drained()                  # or suspended: the requests then run again on the new pipeline
+        orphans: set[str] = set()
+        try:                                    # or suspended: the requests then run again on the new pipeline
+            await asyncio.wait_for(engine.drained(), c.config.drain_timeout_s)
+        except asyncio.TimeoutError:            # bounded pause: move what still runs, as a recovery would
+            log.warning("re-partition: drain timed out, moving the running requests to the new pipeline",
+                        running=len(engine.admission.active), drain_timeout_s=c.config.drain_timeout_s)
+            if c.pipeline is not None and not engine.suspended:
+                pipeline, c.pipeline = c.pipeline, None
+                await pipeline.abort()
+                orphans = await engine.suspend()
         if c.pipeline is not None:
             await c.pipeline.close()
             c.pipeline = None
@@ -151,7 +162,7 @@ class Repartitioner:
             return True
         try:
             plans = plan([self.address_of(i) for i in range(n)], c.num_layers)
-            await release_held([p.address for p in plans], set(), c.config.tls, 10.0)   # its stages are ready
+            await release_held([p.address for p in plans], orphans, c.config.tls, 10.0)   # its stages are ready
             await asyncio.gather(*(configure(p, tls=c.config.tls) for p in plans))
             pipeline = await c.open_pipeline([p.address for p in plans])
         except Exception as e:

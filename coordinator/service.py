@@ -23,7 +23,7 @@ from coordinator.engine import Engine, Finished
 from coordinator.metrics import RequestMetrics, track
 from coordinator.recovery import Recovery
 from coordinator.scaling import release_held
-from coordinator.requests import InvalidRequest, Limits, check
+from coordinator.requests import InvalidRequest, Limits, check, check_prompt_size
 from coordinator.schedulers.registry import METHODS, SpecOptions
 from coordinator.text import PromptEncoder, TextStream
 
@@ -99,7 +99,8 @@ class Coordinator:
                            node_budget=config.node_budget, verify=config.verify)
         admission = Admission(config.max_active, config.max_queue, kv_slots(pipeline),
                               max_per_client=config.max_per_client)
-        engine = Engine(pipeline, default_method=config.method, spec=spec, admission=admission)
+        engine = Engine(pipeline, default_method=config.method, spec=spec, admission=admission,
+                        batch_timeout_s=config.batch_timeout_s)
         await engine.start()
         log.info("coordinator connected", stages=len(config.stages), vocab=info.vocab_size,
                  context=info.max_position, tokenizer=tokenizer is not None, kv_slots=admission.kv_slots)
@@ -124,6 +125,7 @@ class Coordinator:
         """Validate and tokenize; raises InvalidRequest."""
         if inp.prompt and inp.prompt_token_ids:
             raise InvalidRequest("give prompt or prompt_token_ids, not both")
+        check_prompt_size(inp.prompt, len(inp.prompt_token_ids), self.limits)
         if inp.prompt_token_ids:
             ids = list(inp.prompt_token_ids)
         elif inp.prompt:

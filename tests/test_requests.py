@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.requests import InvalidRequest, Limits, Params, check
+from coordinator.requests import InvalidRequest, Limits, Params, check, check_prompt_size
 
 LIMITS = Limits(vocab_size=100, max_position=50, default_max_new_tokens=10, max_new_tokens_cap=32)
 METHODS = ["greedy", "spec"]
@@ -37,9 +37,24 @@ def call(**overrides: Any) -> Params:
     (dict(temperature=float("inf")), "temperature must be a finite number"),
     (dict(top_p=1.01), r"top_p must be in \(0, 1\]"),
     (dict(top_p=-0.1), r"top_p must be in \(0, 1\]"),
-    (dict(top_k=-1), "top_k must be >= 0"),
-    (dict(stop=["s"] * 17), "at most 16 stop strings"),
+    (dict(top_k=-1), r"top_k must be an integer in \[0, 2147483647\]"),
+    (dict(top_k=2 ** 32), r"top_k must be an integer in \[0, 2147483647\] \(0: no limit\), got 4294967296"),
+    (dict(top_k=2.5), "top_k must be an integer"),
+    (dict(stop=["s"] * 17), "stop: at most 16 strings"),
     (dict(stop=["ok", "x" * 257]), "at most 256 characters"),
+    (dict(stop=[7]), "stop: at most 16 strings"),
+    (dict(max_new_tokens=2.0), "max_new_tokens must be an integer, got 2.0"),
+    (dict(max_new_tokens=True), "max_new_tokens must be an integer"),
+    (dict(max_new_tokens=2 ** 40), "above this server's cap"),
+    (dict(temperature=1e39), "temperature must be a finite number, got 1e[+]39"),
+    (dict(temperature="0.7"), "temperature must be a finite number"),
+    (dict(top_p=float("nan")), "top_p must be a finite number"),
+    (dict(seed=2 ** 64), r"seed must be an integer in \[0, 2\*\*64\)"),
+    (dict(seed=-1), "seed must be an integer"),
+    (dict(prompt_ids=[1, 2.5]), "token id 2.5 is outside"),
+    (dict(prompt_ids=[1, True]), "token id True is outside"),
+    # sizes before per-token work: 51 ids are refused for their number, not scanned for the bad id
+    (dict(prompt_ids=[10 ** 12] * 51), "prompt_token_ids: 51 tokens exceed the model's context of 50"),
 ])
 def test_rejections(overrides: dict[str, Any], match: str) -> None:
     with pytest.raises(InvalidRequest, match=match):
@@ -87,3 +102,15 @@ def test_prompt_ids_copied() -> None:
     p = call(prompt_ids=prompt)
     prompt.append(6)
     assert p.prompt_ids == [4, 5]
+
+
+def test_top_k_at_or_above_the_vocabulary_is_no_limit() -> None:
+    assert call(temperature=0.7, top_k=100, seed=3).sampling.top_k == 0
+    assert call(temperature=0.7, top_k=2 ** 31 - 1, seed=3).sampling.top_k == 0
+    assert call(temperature=0.7, top_k=99, seed=3).sampling.top_k == 99
+
+
+def test_text_prompt_size_is_checked_before_tokenising() -> None:
+    check_prompt_size("x" * 50 * 64, 0, LIMITS)                       # may fit: tokenise it
+    with pytest.raises(InvalidRequest, match="prompt: 3201 characters cannot fit the model's context of 50"):
+        check_prompt_size("x" * (50 * 64 + 1), 0, LIMITS)

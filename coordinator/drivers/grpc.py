@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import stage_pb2, stage_pb2_grpc
-from services.batch import Control, MicroBatch
+from services.batch import Control, MicroBatch, Segment
 from services.grpc_server import channel_options
 from services.logs import get_logger
 from services.tls import TLSFiles, open_channel
@@ -130,7 +131,7 @@ class GrpcPipeline:
             self._results.put_nowait(PipelineError(f"results stream failed: {e}"))
 
     async def inject(self, batch: MicroBatch) -> None:
-        await self._forward.write(batch_to_proto(batch))
+        await self._forward.write(encode(batch))
 
     async def broadcast(self, control: Control) -> None:
         msg = control_to_proto(control)
@@ -179,6 +180,33 @@ class GrpcPipeline:
                 pass
         for c in self._channels:
             await c.close()
+
+
+_UNENCODABLE = (ValueError, TypeError, OverflowError)
+
+
+def encode(batch: MicroBatch) -> stage_pb2.MicroBatch:
+    """The batch's wire message. A segment that cannot be encoded (a value outside its wire type, which
+    validation at the door should have refused) is the fault of its request, not of the pipeline: it travels
+    as a failed segment (no rows), so its request ends with INVALID_ARGUMENT when the batch comes back and
+    the other requests of the batch are computed as usual.
+
+        encode(MicroBatch(7, [ok, Segment("r2", ..., sampling=Sampling(1.0, 1.0, 2**32, 1))]))
+        -> segments [ok, Segment.failed("r2", "the request cannot be sent to the stages: ...", 3, -1)]
+    """
+    try:
+        return batch_to_proto(batch)
+    except _UNENCODABLE:
+        pass
+    segments = []
+    for seg in batch.segments:
+        try:
+            batch_to_proto(MicroBatch(0, [seg]))
+            segments.append(seg)
+        except _UNENCODABLE as e:
+            log.warning("a segment cannot be encoded: failing its request", request_id=seg.request_id, error=str(e))
+            segments.append(Segment.failed(seg.request_id, f"the request cannot be sent to the stages: {e}", 3, -1))
+    return batch_to_proto(replace(batch, segments=segments))
 
 
 def check_coverage(infos: list[stage_pb2.StageInfo], addresses: list[str]) -> None:

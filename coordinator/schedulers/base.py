@@ -142,8 +142,8 @@ class Scheduler(ABC):
             if state is None:
                 continue
             if seg.error:
-                self._finish(state, "error", error=f"stage {seg.error_stage}: {seg.error}",
-                             error_code=seg.error_code or 13)
+                where = f"stage {seg.error_stage}: " if seg.error_stage >= 0 else ""   # -1: the coordinator's
+                self._finish(state, "error", error=where + seg.error, error_code=seg.error_code or 13)
                 continue
             self._on_segment(state, seg, outputs, logprobs)
 
