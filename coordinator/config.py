@@ -36,6 +36,7 @@ class CoordinatorConfig:
     pipeinfer_run: int = _SPEC.pipeinfer_run           # pipeinfer: draft tokens per speculative run
     pipeinfer_min_prob: float = _SPEC.pipeinfer_min_prob  # pipeinfer: end runs where the draft is less sure
     node_budget: int = _SPEC.node_budget               # specpipe, cb-pp: rows per micro-batch, all requests
+    prefill_chunk: int = _SPEC.prefill_chunk           # specpipe, cb-pp: prompt rows per micro-batch
     verify: str = _SPEC.verify                         # sampling verification: match | rejection
     max_active: int = 64                 # requests running at once
     max_queue: int = 256                 # requests waiting for admission; more are refused
@@ -75,10 +76,10 @@ class CoordinatorConfig:
                 raise ValueError(f"stage address {addr!r} is not HOST:PORT")
         if min(self.width, self.topk, self.draft_rounds, self.draft_threads, self.sps_k, self.tree_nodes,
                self.tree_depth, self.tree_topk,
-               self.pipeinfer_run, self.node_budget, self.max_active) < 1:
+               self.pipeinfer_run, self.node_budget, self.prefill_chunk, self.max_active) < 1:
             raise ValueError("width, topk, draft_rounds, draft_threads, sps_k, tree_nodes, tree_depth, tree_topk, "
                              "pipeinfer_run, "
-                             "node_budget and max_active must be at least 1")
+                             "node_budget, prefill_chunk and max_active must be at least 1")
         if self.k8s_statefulset and "{i}" not in self.stage_template:
             raise ValueError("--k8s-statefulset needs --stages as a '{i}' template (the stages' DNS names)")
         TLSFiles(self.tls_cert, self.tls_key, self.tls_ca)
@@ -247,6 +248,10 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
                         "ships one token per row) or rejection (speculative sampling; ships distributions)")
     p.add_argument("--node-budget", type=int, default=int(os.environ.get("SPECPIPE_NODE_BUDGET", d.node_budget)),
                    help="specpipe, cb-pp: rows per micro-batch shared by all requests in it")
+    p.add_argument("--prefill-chunk", type=int,
+                   default=int(os.environ.get("SPECPIPE_PREFILL_CHUNK", d.prefill_chunk)),
+                   help="specpipe, cb-pp: prompt rows per micro-batch, beside the node budget (a longer "
+                        "prompt continues in the next micro-batch)")
 
 
 def spec_kwargs(a: argparse.Namespace) -> dict:
@@ -255,4 +260,5 @@ def spec_kwargs(a: argparse.Namespace) -> dict:
                 draft_rounds=a.draft_rounds,
                 sps_k=a.sps_k, tree_nodes=a.tree_nodes, tree_depth=a.tree_depth, tree_topk=a.tree_topk,
                 pipeinfer_run=a.pipeinfer_run,
-                pipeinfer_min_prob=a.pipeinfer_min_prob, node_budget=a.node_budget, verify=a.verify)
+                pipeinfer_min_prob=a.pipeinfer_min_prob, node_budget=a.node_budget, prefill_chunk=a.prefill_chunk,
+                verify=a.verify)

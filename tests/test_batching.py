@@ -72,20 +72,39 @@ def test_sixteen_staggered_requests_with_cancellations_are_exact(tiny_model8, ti
     assert_nothing_left(sched, runners, draft)
 
 
-def test_micro_batches_stay_within_the_node_budget(tiny_model8, tiny_hf8):
-    """Node budget 6 with 5 requests, prompts up to 11 tokens (chunked prefill): no micro-batch carries
-    more than 6 rows, yet every output is exact."""
+def test_micro_batches_stay_within_the_node_budget_and_the_prefill_chunk(tiny_model8, tiny_hf8):
+    """Node budget 6, prefill chunk 4, 5 requests with prompts up to 11 tokens: no micro-batch carries more
+    than 6 decode rows or more than 4 prompt rows, yet every output is exact."""
     runners = make_runners(tiny_model8, 2, layers=8)
     draft = quant_draft(tiny_model8)
-    sched = SpecPipeScheduler(2, draft, width=4, node_budget=6)
+    sched = SpecPipeScheduler(2, draft, width=4, node_budget=6, prefill_chunk=4)
     rec = Recording(sched)
     reqs = [Request(f"r{i}", p, 10) for i, p in enumerate(prompts(5, seed=9))]
+    prompt_len = {r.request_id: len(r.prompt_ids) for r in reqs}
     out = InProcessPipeline(runners).run(sched, reqs)
     for r in reqs:
         assert out[r.request_id].tokens == hf_greedy(tiny_hf8, r.prompt_ids, 10)
-    assert max(b.rows for b in rec.batches) <= 6
-    assert any(len(r.prompt_ids) > 6 for r in reqs), "a prompt longer than the budget is prefilled in chunks"
+
+    def prompt_rows(b) -> int:              # a request's first node ids are its prompt's
+        return sum(n < prompt_len[s.request_id] for s in b.segments for n in s.node_ids)
+    assert max(prompt_rows(b) for b in rec.batches) == 4
+    assert max(b.rows - prompt_rows(b) for b in rec.batches) <= 6
+    assert any(len(r.prompt_ids) > 4 for r in reqs), "a prompt longer than the chunk is prefilled in chunks"
     assert_nothing_left(sched, runners, draft)
+
+
+@pytest.mark.parametrize("method", ["cb-pp", "specpipe"])
+def test_a_long_prompt_goes_in_prefill_chunks_not_node_budget_slices(tiny_model8, tiny_hf8, method):
+    """A 100-token prompt with node budget 8 and prefill chunk 40: 3 prefill micro-batches (40, 40, 20), not 13."""
+    from coordinator.schedulers.registry import SpecOptions, make_scheduler
+    sched = make_scheduler(method, 2, SpecOptions(quant_draft(tiny_model8), width=4, node_budget=8,
+                                                  prefill_chunk=40))
+    rec = Recording(sched)
+    prompt = [(7 * i + 3) % 250 + 1 for i in range(100)]
+    out = InProcessPipeline(make_runners(tiny_model8, 2, layers=8)).run(sched, [Request("r", prompt, 6)])
+    assert out["r"].tokens == hf_greedy(tiny_hf8, prompt, 6)
+    chunks = [sum(n < 100 for s in b.segments for n in s.node_ids) for b in rec.batches]
+    assert [c for c in chunks if c] == [40, 40, 20]
 
 
 def test_width_adapts_to_the_number_of_requests(tiny_model8):

@@ -8,14 +8,16 @@ is full. Whenever a slot is free, `_dispatch` builds the next micro-batch from e
    `share = max(1, node_budget // requests)` rows, counting every request the scheduler holds (running,
    prefilling, or waiting for its rows to come back); the subclass may take fewer (`_next_rows`). A request
    held alone is not capped by the budget (`_solo_share`: specpipe's width may exceed it).
-2. Prefill chunks then take what is left, oldest request first. A prompt longer than what is left
-   continues in the next micro-batch; the pipeline keeps a request's micro-batches in order, so a chunk
-   always finds the KV of the chunk before it. Only the last prompt row asks for output.
+2. Prefill chunks then take up to `prefill_chunk` prompt rows, oldest request first — a budget of their own,
+   beside the decode rows (a long prompt is not cut into node-budget slices; on a GPU a step of 32 rows
+   and of 512 costs about the same). A prompt longer than that continues in the next micro-batch; the
+   pipeline keeps a request's micro-batches in order, so a chunk always finds the KV of the chunk before
+   it. Only the last prompt row asks for output.
 
-A micro-batch never exceeds `node_budget` rows except when a single request's rows alone do (a bonus node
-is never split). Worked example, node_budget 8, S = 2, requests A (running), B (running), C (new, 10-token
-prompt): share = 8 // 3 = 2 -> A 2 rows, B 2 rows, C's first 4 prompt rows; the next free slot carries
-C's other 6 prompt rows beside whatever A and B have ready by then.
+Decode rows never exceed `node_budget` except when a single request's rows alone do (a bonus node is never
+split, a lone request may use its whole width). Worked example, node_budget 8, prefill_chunk 6, S = 2,
+requests A (running), B (running), C (new, 10-token prompt): share = 8 // 3 = 2 -> A 2 rows, B 2 rows, C's
+first 6 prompt rows; the next free slot carries C's other 4 prompt rows beside whatever A and B have ready.
 """
 from __future__ import annotations
 
@@ -27,11 +29,12 @@ from coordinator.schedulers.base import RequestState, Scheduler
 
 
 class BatchingScheduler(Scheduler):
-    def __init__(self, num_stages: int, node_budget: int = 32) -> None:
+    def __init__(self, num_stages: int, node_budget: int = 32, prefill_chunk: int = 256) -> None:
         super().__init__(num_stages)
-        if node_budget < 1:
-            raise ValueError("node_budget must be at least 1")
+        if node_budget < 1 or prefill_chunk < 1:
+            raise ValueError("node_budget and prefill_chunk must be at least 1")
         self.node_budget = node_budget
+        self.prefill_chunk = prefill_chunk
         self.prefill_next: dict[str, int] = {}     # request -> index of its next prompt row to inject
         self._turn = 0                             # round-robin offset over running requests
 
@@ -111,12 +114,12 @@ class BatchingScheduler(Scheduler):
                 segments.append(seg)
                 left -= seg.rows
                 decode_left -= seg.rows
+        prefill_left = self.prefill_chunk            # prompts have their own budget beside the decode rows
         for rid in prefilling:
-            if left <= 0 and segments:
+            if prefill_left <= 0:
                 break
-            used = sum(seg.rows for seg in segments)          # prompts stay within the budget even alone
-            segments.append(self._prefill_chunk(self.requests[rid], max(self.node_budget - used, 1)))
-            left -= segments[-1].rows
+            segments.append(self._prefill_chunk(self.requests[rid], prefill_left))
+            prefill_left -= segments[-1].rows
         return segments
 
     def _prefill_chunk(self, state: RequestState, rows: int) -> Segment:

@@ -20,8 +20,8 @@ from coordinator.schedulers.batching import BatchingScheduler
 class CBPPScheduler(BatchingScheduler):
     name = "cb-pp"
 
-    def __init__(self, num_stages: int, node_budget: int = 32) -> None:
-        super().__init__(num_stages, node_budget)
+    def __init__(self, num_stages: int, node_budget: int = 32, prefill_chunk: int = 256) -> None:
+        super().__init__(num_stages, node_budget, prefill_chunk)
         self.next_row: dict[str, Segment] = {}     # request -> its committed token waiting to go in
 
     def _ready(self, state: RequestState) -> bool:

@@ -28,6 +28,7 @@ class SpecOptions:
     pipeinfer_run: int = 4    # pipeinfer: draft tokens per speculative run
     pipeinfer_min_prob: float = 0.1   # pipeinfer: stop a run where the draft is less sure than this
     node_budget: int = 32     # specpipe, cb-pp: rows per micro-batch, shared by the requests in it
+    prefill_chunk: int = 256  # specpipe, cb-pp: prompt rows per micro-batch, beside the node budget
     verify: str = "match"     # sampling: match (seeded sample-then-match) | rejection (coordinator/verify.py)
 
 
@@ -36,12 +37,12 @@ def make_scheduler(method: str, num_stages: int, spec: SpecOptions | None = None
     if method == "pp":
         return PPScheduler(num_stages)
     if method == "cb-pp":
-        return CBPPScheduler(num_stages, spec.node_budget)
+        return CBPPScheduler(num_stages, spec.node_budget, spec.prefill_chunk)
     if method == "specpipe":
         if spec.draft is None:
             raise ValueError("method 'specpipe' needs a draft source (--draft quant|quant+ngram|ngram|model)")
         return SpecPipeScheduler(num_stages, spec.draft, spec.width, spec.policy, spec.topk, spec.node_budget,
-                                 spec.verify, spec.draft_rounds)
+                                 spec.verify, spec.draft_rounds, spec.prefill_chunk)
     if method in ("sps", "tree", "pipeinfer"):
         if spec.draft is None:
             raise ValueError(f"method {method!r} needs a draft source (--draft quant|quant+ngram|ngram|model)")

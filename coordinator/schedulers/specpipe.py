@@ -42,8 +42,9 @@ class SpecPipeScheduler(BatchingScheduler):
     name = "specpipe"
 
     def __init__(self, num_stages: int, draft: DraftSource, width: int = 32, policy: str = "hybrid",
-                 topk: int = 16, node_budget: int = 32, verify: str = "match", rounds: int = 2) -> None:
-        super().__init__(num_stages, node_budget)
+                 topk: int = 16, node_budget: int = 32, verify: str = "match", rounds: int = 2,
+                 prefill_chunk: int = 256) -> None:
+        super().__init__(num_stages, node_budget, prefill_chunk)
         if width < 1 or topk < 1 or rounds < 1:
             raise ValueError("width, topk and rounds must be at least 1")
         if policy not in POLICIES:
