@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.tls import TLSFiles
+from services.tls import COORDINATOR_NAME, STAGE_NAME, PeerNames, TLSFiles
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -98,6 +98,8 @@ class StageConfig:
     tls_cert: str = ""                  # PEM certificate of this stage (server and, to the next hop, client)
     tls_key: str = ""
     tls_ca: str = ""                    # CA that peers' certificates must chain to (mutual TLS)
+    tls_coordinator_name: str = COORDINATOR_NAME        # certificate name allowed Configure/Results/Control
+    tls_peer_names: tuple[str, ...] = (STAGE_NAME,)     # and these (stages) besides it, Forward
     metrics_port: int = 0               # Prometheus metrics on HOST:metrics_port (0 = off)
     health_port: int = 0                # plaintext grpc.health.v1 only, for probes when TLS is on (0 = off)
 
@@ -116,7 +118,9 @@ class StageConfig:
             raise ValueError(f"metrics_port {self.metrics_port} is not a port (0 = off)")
         if not 0 <= self.health_port <= 65535:
             raise ValueError(f"health_port {self.health_port} is not a port (0 = off)")
-        TLSFiles(self.tls_cert, self.tls_key, self.tls_ca)      # raises for a missing file or a lone cert
+        self.tls.require_mutual(f"stage {self.stage}")     # missing files, a lone cert, a cert without a CA
+        names = PeerNames.parse(self.tls_coordinator_name, self.tls_peer_names)      # raises for a bad name
+        object.__setattr__(self, "tls_peer_names", names.peers)       # "a,b" or a list -> ("a", "b")
         parse_dtype(self.dtype)
         parse_stage_time(self.stage_time_ms)
         check_device(self.device)
@@ -128,6 +132,11 @@ class StageConfig:
     @property
     def tls(self) -> TLSFiles:
         return TLSFiles(self.tls_cert, self.tls_key, self.tls_ca)
+
+    @property
+    def peer_names(self) -> PeerNames | None:
+        """Who may call which RPC (services/tls.py), or None with TLS off (no identities to check)."""
+        return PeerNames(self.tls_coordinator_name, self.tls_peer_names) if self.tls.enabled else None
 
     @property
     def stage_time(self) -> tuple[float, float]:
@@ -166,6 +175,7 @@ class StageConfig:
         p.add_argument("--metrics-port", type=int, default=_env_int("SPECPIPE_METRICS_PORT", cls.metrics_port),
                        help="serve Prometheus metrics on this port, on --host (0 = off)")
         add_tls_arguments(p)
+        add_tls_identity_arguments(p)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "StageConfig":
@@ -187,6 +197,8 @@ class StageConfig:
                    next_hop=next_hop, dtype=args.dtype, device=args.device, threads=args.threads,
                    stage_time_ms=args.stage_time_ms, grace_s=args.grace_s, kv_limit_mb=args.kv_limit_mb,
                    tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+                   tls_coordinator_name=args.tls_coordinator_name.strip(),
+                   tls_peer_names=tuple(args.tls_peer_names.split(",")),
                    metrics_port=args.metrics_port, health_port=args.health_port)
 
     @classmethod
@@ -202,7 +214,19 @@ def add_tls_arguments(p: argparse.ArgumentParser) -> None:
                    help="this service's certificate (PEM); with --tls-key turns TLS on")
     p.add_argument("--tls-key", default=os.environ.get("SPECPIPE_TLS_KEY", ""), help="its private key (PEM)")
     p.add_argument("--tls-ca", default=os.environ.get("SPECPIPE_TLS_CA", ""),
-                   help="CA bundle peers must chain to; a stage then refuses clients without such a certificate")
+                   help="CA bundle peers must chain to; a stage needs it with --tls-cert and refuses clients "
+                        "without a certificate from it")
+
+
+def add_tls_identity_arguments(p: argparse.ArgumentParser) -> None:
+    """Which peers a stage serves with TLS on, by the names in their certificates (common name or SAN)."""
+    p.add_argument("--tls-coordinator-name",
+                   default=os.environ.get("SPECPIPE_TLS_COORDINATOR_NAME", COORDINATOR_NAME),
+                   help="the coordinator's certificate name: the only peer allowed Configure, Results and Control "
+                        f"(default {COORDINATOR_NAME})")
+    p.add_argument("--tls-peer-names", default=os.environ.get("SPECPIPE_TLS_PEER_NAMES", STAGE_NAME),
+                   help="comma-separated certificate names of the stages allowed Forward besides the coordinator "
+                        f"(default {STAGE_NAME})")
 
 
 def stage_index(value: str, hostname: str | None = None) -> int:

@@ -38,7 +38,7 @@ async def serve(config: StageConfig) -> None:
     servicer = StageServicer(runner, config, model_name=Path(model_ref).name, model_ref=model_ref)
     server = Server([SERVICE_NAME], config.max_message_mb * MiB)
     stage_pb2_grpc.add_StageServicer_to_server(servicer, server.server)
-    port = server.bind(config.host, config.port, config.tls.server_credentials())
+    port = server.bind(config.host, config.port, config.tls.mutual_server_credentials())
     if config.health_port:
         server.bind_health(config.host, config.health_port)
     servicer.start()
@@ -49,8 +49,9 @@ async def serve(config: StageConfig) -> None:
         log.info("metrics serving", port=config.metrics_port)
     log.info("stage serving", stage=config.stage, layers=f"{runner.shard.first}:{runner.shard.last}",
              port=port, next_hop=config.next_hop or "coordinator", dtype=config.dtype, device=config.device,
-             stage_time_ms=config.stage_time_ms, tls="mutual" if config.tls_ca and config.tls_cert else
-             ("on" if config.tls_cert else "off"))
+             stage_time_ms=config.stage_time_ms, tls="mutual" if config.tls.enabled else "off",
+             **({"coordinator_identity": config.tls_coordinator_name,
+                 "forward_identities": ",".join(config.tls_peer_names)} if config.tls.enabled else {}))
     if config.port_file:
         tmp = f"{config.port_file}.tmp"
         with open(tmp, "w") as f:
@@ -70,12 +71,18 @@ def main(argv: list[str] | None = None) -> int:
                "      --dtype bfloat16 --next-hop stage-1:50061\n"
                "  specpipe stage --stage auto --num-stages 4 \\\n"
                "      --next-hop 'rel-specpipe-stage-{next}.rel-specpipe-stage:50061'     # in a StatefulSet pod\n"
+               "  specpipe stage --tls-cert stage.crt --tls-key stage.key --tls-ca ca.crt \\\n"
+               "      --tls-coordinator-name specpipe-coordinator --tls-peer-names specpipe-stage   # mutual TLS\n"
                "Most options also read SPECPIPE_<OPTION> from the environment (SPECPIPE_STAGE, "
                "SPECPIPE_TLS_CERT, ...).")
     StageConfig.add_arguments(parser)
     args = parser.parse_args(argv)
+    try:
+        config = StageConfig.from_args(args)
+    except ValueError as e:                 # e.g. a TLS certificate without its CA: refused before loading
+        parser.error(str(e))
     configure()
-    asyncio.run(serve(StageConfig.from_args(args)))
+    asyncio.run(serve(config))
     return 0
 
 

@@ -3,6 +3,9 @@
 Ownership: the StageRunner (and through it the KVCache) is touched only under `self._state`; compute runs
 in a worker thread so control messages keep flowing while a step computes. `self._busy` serialises steps
 (compute plus the emulated stage time), as one GPU would.
+
+With TLS on, each RPC first checks the caller's certificate names (services/tls.py `PeerNames`):
+Configure, Results and Control only from the coordinator, Forward from the coordinator or a stage.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from services.logs import get_logger
 from services.model.shard import load_shard
 from services.nodes import ProtocolError
 from services.runner import BatchError, StageRunner
-from services.tls import open_channel
+from services.tls import open_channel, require_peer
 from services.wire import batch_from_proto, batch_to_proto, control_from_proto
 
 log = get_logger(__name__)
@@ -46,6 +49,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self._channel: grpc.aio.Channel | None = None
         self._old_channels: list[grpc.aio.Channel] = []     # next hops before a Configure; closed at close()
         self.log = log.bind(stage=config.stage)
+        self._peers = config.peer_names      # None with TLS off: no identity checks
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -68,6 +72,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     # -- data plane ---------------------------------------------------------------------------------
     async def Forward(self, request_iterator, context):
+        await require_peer(context, "Forward", self._peers)
         count = 0
         async for msg in request_iterator:
             out = await self._process(msg)
@@ -141,6 +146,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         return stage_pb2_grpc.StageStub(self._channel).Forward(wait_for_ready=True)
 
     async def Results(self, request, context):
+        await require_peer(context, "Results", self._peers)
         if self._next_hop:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"stage {self.config.stage} is not the last stage; results come from the last one")
@@ -166,6 +172,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     # -- control plane ------------------------------------------------------------------------------
     async def Control(self, request_iterator, context):
+        await require_peer(context, "Control", self._peers)
         count = 0
         async for msg in request_iterator:
             control = control_from_proto(msg)
@@ -182,6 +189,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     async def Configure(self, request: stage_pb2.ConfigureRequest, context):
         """Take layers [first, last) and place `stage` of `num_stages` with a new next hop. The stage must
         hold no request (the coordinator drains first); new layers are read from the model's files."""
+        await require_peer(context, "Configure", self._peers)
         shard = self.runner.shard
         first, last, n, stage = request.first_layer, request.last_layer, request.num_stages, request.stage
         if not (0 <= first < last <= shard.total_layers and 0 <= stage < n):

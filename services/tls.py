@@ -1,20 +1,31 @@
-"""TLS for every hop, from certificate files (PEM), and a bearer token for the public API.
+"""TLS for every hop, from certificate files (PEM), peer identities, and a bearer token for the public API.
 
 Internal hops (coordinator -> stages, stage -> next stage) use mutual TLS: each service presents its
-certificate (`cert`, `key`) and trusts peers signed by `ca`; a server with a `ca` refuses clients without a
-valid certificate from it. Without files every hop is plaintext (local development).
+certificate (`cert`, `key`) and trusts peers signed by `ca`; a stage refuses clients without a valid
+certificate from it, and refuses to start with a certificate but no CA (it could not authenticate anyone).
+Without files every hop is plaintext (local development).
+
+Identities: the names in a peer's certificate (its common name and subject alternative names). A stage
+accepts Configure, Results and Control only from the coordinator's name, Forward from the coordinator or a
+stage's name (`PeerNames`); Info and health from any peer with a certificate from the CA.
 
     tls = TLSFiles("/tls/tls.crt", "/tls/tls.key", "/tls/ca.crt")
-    server.bind("0.0.0.0", 50061, tls.server_credentials())
+    server.bind("0.0.0.0", 50061, tls.mutual_server_credentials())
     channel = open_channel("stage-1:50061", tls, options)
+    await require_peer(context, "Configure", PeerNames())      # in a handler: PERMISSION_DENIED for others
 """
 from __future__ import annotations
 
 import hmac
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import grpc
+
+COORDINATOR_NAME = "specpipe-coordinator"     # the coordinator's identity by default
+STAGE_NAME = "specpipe-stage"                 # the stages' identity by default
 
 
 @dataclass(frozen=True)
@@ -37,8 +48,25 @@ class TLSFiles:
     def _read(self, name: str) -> bytes | None:
         return Path(name).read_bytes() if name else None
 
+    def require_mutual(self, who: str = "a stage") -> "TLSFiles":
+        """Raise unless this is plaintext or full mutual TLS: a certificate without a CA would skip client
+        authentication, a CA without a certificate would serve plaintext."""
+        if self.enabled and not self.ca:
+            raise ValueError(f"{who} with a TLS certificate needs the CA its peers' certificates chain to "
+                             "(--tls-ca / SPECPIPE_TLS_CA): without it clients could not be authenticated")
+        if self.ca and not self.enabled:
+            raise ValueError(f"{who} with a TLS CA needs its own certificate and key (--tls-cert, --tls-key): "
+                             "without them it would serve plaintext")
+        return self
+
+    def mutual_server_credentials(self) -> grpc.ServerCredentials | None:
+        """A stage's server side: None for plaintext, else TLS requiring a client certificate from `ca`;
+        raises for a certificate without a CA (see `require_mutual`)."""
+        return self.require_mutual().server_credentials()
+
     def server_credentials(self) -> grpc.ServerCredentials | None:
-        """None without a certificate (plaintext). With a CA, clients must present a certificate it signed."""
+        """None without a certificate (plaintext). With a CA, clients must present a certificate it signed;
+        without one this is server-only TLS (the public API; stages use `mutual_server_credentials`)."""
         if not self.enabled:
             return None
         return grpc.ssl_server_credentials([(self._read(self.key), self._read(self.cert))],
@@ -57,6 +85,64 @@ def open_channel(address: str, tls: TLSFiles | None, options: list | None = None
     if tls is not None and (tls.enabled or tls.ca):
         return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
     return grpc.aio.insecure_channel(address, options=options)
+
+
+@dataclass(frozen=True)
+class PeerNames:
+    """Which certificate names may call which Stage RPC: Configure, Results and Control only `coordinator`;
+    Forward `coordinator` or one of `peers` (the stages); any other RPC every authenticated peer."""
+
+    coordinator: str = COORDINATOR_NAME
+    peers: tuple[str, ...] = (STAGE_NAME,)
+
+    COORDINATOR_ONLY: ClassVar[frozenset[str]] = frozenset({"Configure", "Results", "Control"})
+
+    def __post_init__(self) -> None:
+        for name in (self.coordinator, *self.peers):
+            if not name or "," in name or any(c.isspace() for c in name):
+                raise ValueError(f"TLS identity {name!r} is not a certificate name (non-empty, no spaces or commas)")
+
+    @classmethod
+    def parse(cls, coordinator: str, peers: str | Iterable[str]) -> "PeerNames":
+        """From flags: `peers` may be comma-separated ("a,b")."""
+        items = peers.split(",") if isinstance(peers, str) else peers
+        return cls(coordinator.strip(), tuple(p.strip() for p in items if p.strip()))
+
+    def allowed(self, rpc: str) -> frozenset[str] | None:
+        """The names that may call `rpc`; None: any peer the TLS handshake admitted."""
+        if rpc in self.COORDINATOR_ONLY:
+            return frozenset({self.coordinator})
+        if rpc == "Forward":
+            return frozenset({self.coordinator, *self.peers})
+        return None
+
+
+def peer_names(context: grpc.aio.ServicerContext) -> list[str]:
+    """The names a TLS peer's certificate carries: its common name, then its subject alternative names."""
+    auth = context.auth_context() or {}
+    names: list[str] = []
+    for key in ("x509_common_name", "x509_subject_alternative_name"):
+        for value in auth.get(key, ()):
+            name = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+            if name not in names:
+                names.append(name)
+    return names
+
+
+async def require_peer(context: grpc.aio.ServicerContext, rpc: str, policy: PeerNames | None) -> None:
+    """Abort the call with PERMISSION_DENIED unless the peer's certificate names someone `policy` lets call
+    `rpc` (no check without a policy: TLS off)."""
+    if policy is None:
+        return
+    allowed = policy.allowed(rpc)
+    if allowed is None:
+        return
+    seen = peer_names(context)
+    if allowed.intersection(seen):
+        return
+    await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                        f"{rpc} is accepted only from {' or '.join(sorted(allowed))}; the peer's certificate "
+                        f"names {', '.join(seen) if seen else 'no one'} (peer {context.peer()})")
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):

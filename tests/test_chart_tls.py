@@ -1,6 +1,8 @@
-"""TLS in the Helm chart: mutual TLS on the internal hops from a Secret (optionally a cert-manager Certificate),
-TLS and a bearer token on the public API, kubelet probes on a plaintext health-only port. The certificate's
-names are checked with a real gRPC handshake against the DNS names the chart gives the stages."""
+"""TLS in the Helm chart: mutual TLS on the internal hops from two Secrets (optionally cert-manager Certificates),
+one for the stages and one for the coordinator, whose names are the identities the stages check; TLS and a
+bearer token on the public API, kubelet probes on a plaintext health-only port. The certificates' names are
+checked with real gRPC handshakes: against the DNS names the chart gives the stages, and RPC by RPC against
+the identity flags the chart gives the stages."""
 from __future__ import annotations
 
 import grpc
@@ -24,6 +26,22 @@ def container(objs, kind: str) -> dict:
     return one(objs, kind)["spec"]["template"]["spec"]["containers"][0]
 
 
+def certificate(objs, component: str) -> dict:
+    found = [o for o in by_kind(objs, "Certificate")
+             if o["metadata"]["labels"]["app.kubernetes.io/component"] == component]
+    assert len(found) == 1, f"{len(found)} {component} Certificates"
+    return found[0]
+
+
+def secrets(objs, kind: str) -> set[str]:
+    return {v["secret"]["secretName"] for v in one(objs, kind)["spec"]["template"]["spec"]["volumes"]
+            if "secret" in v and v["name"] == "tls"}
+
+
+def flag(args: list[str], name: str) -> str:
+    return next(a.split("=", 1)[1] for a in args if a.startswith(f"--{name}="))
+
+
 def test_tls_manifests_are_valid_kubernetes():
     import kubernetes_validate
     for o in render(*TLS):
@@ -43,9 +61,11 @@ def test_tls_reaches_every_pod_and_probes_use_the_health_port():
         assert {m["mountPath"] for m in c["volumeMounts"]} >= {"/etc/specpipe/tls"}
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[probe]["grpc"]["port"] == 50070, f"{c['name']} {probe} must not probe the TLS port"
-    secrets = {v["secret"]["secretName"] for v in one(objs, "StatefulSet")["spec"]["template"]["spec"]["volumes"]
-               if "secret" in v}
-    assert secrets == {"rel-specpipe-tls"}
+    assert secrets(objs, "StatefulSet") == {"rel-specpipe-tls"}
+    assert secrets(objs, "Deployment") == {"rel-specpipe-coordinator-tls"}, "the coordinator has its own identity"
+    assert flag(stage["args"], "tls-coordinator-name") == "rel-specpipe-coordinator"
+    assert flag(stage["args"], "tls-peer-names") == "rel-specpipe-stage"
+    assert not any(a.startswith(("--tls-coordinator-name", "--tls-peer-names")) for a in coord["args"])
     assert "--api-tls-cert=/etc/specpipe/api-tls/tls.crt" in coord["args"]
     env = {e["name"]: e for e in coord["env"]}
     assert env["SPECPIPE_API_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "api-token", "key": "token"}
@@ -73,7 +93,31 @@ def test_cert_manager_needs_an_issuer():
     assert out.returncode != 0 and "issuerRef.name" in out.stderr
 
 
-def _leaf(ca, names: list[str]):
+def test_the_certificates_carry_distinct_identities_the_stages_are_told():
+    objs = render(*TLS)
+    stage_cert, coord_cert = certificate(objs, "stage")["spec"], certificate(objs, "coordinator")["spec"]
+    assert (stage_cert["secretName"], coord_cert["secretName"]) == ("rel-specpipe-tls", "rel-specpipe-coordinator-tls")
+    assert stage_cert["commonName"] == "rel-specpipe-stage" and "rel-specpipe-stage" in stage_cert["dnsNames"]
+    assert coord_cert["commonName"] == "rel-specpipe-coordinator"
+    assert "rel-specpipe-coordinator" in coord_cert["dnsNames"]
+    assert "server auth" not in coord_cert["usages"], "the coordinator serves no internal hop"
+    assert not set(coord_cert["dnsNames"]) & set(stage_cert["dnsNames"])
+    names = ["tls.coordinatorName=boss", "tls.stageName=worker", "tls.coordinatorSecretName=boss-tls",
+             "tls.secretName=worker-tls"]
+    objs = render(*TLS, *names)
+    args = container(objs, "StatefulSet")["args"]
+    assert (flag(args, "tls-coordinator-name"), flag(args, "tls-peer-names")) == ("boss", "worker")
+    assert certificate(objs, "coordinator")["spec"]["commonName"] == "boss"
+    assert certificate(objs, "stage")["spec"]["secretName"] == "worker-tls"
+    assert (secrets(objs, "StatefulSet"), secrets(objs, "Deployment")) == ({"worker-tls"}, {"boss-tls"})
+    own = render("tls.enabled=true")                                    # Secrets you made: no Certificates
+    assert not by_kind(own, "Certificate") and secrets(own, "Deployment") == {"rel-specpipe-coordinator-tls"}
+    out = helm("template", "rel", str(CHART), "--set", "tls.enabled=true", "--set", "tls.coordinatorName=x",
+               "--set", "tls.stageName=x", check=False)
+    assert out.returncode != 0 and "must differ" in out.stderr
+
+
+def _leaf(ca, names: list[str], common_name: str = "", client_only: bool = False):
     import datetime
 
     from cryptography import x509
@@ -83,25 +127,32 @@ def _leaf(ca, names: list[str]):
     ca_key, ca_cert = ca
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
+    usages = [ExtendedKeyUsageOID.CLIENT_AUTH] if client_only else [ExtendedKeyUsageOID.SERVER_AUTH,
+                                                                     ExtendedKeyUsageOID.CLIENT_AUTH]
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name or names[0])])
+    cert = (x509.CertificateBuilder().subject_name(subject)
             .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=1)).not_valid_after(now + datetime.timedelta(days=1))
             .add_extension(x509.SubjectAlternativeName([x509.DNSName(n) for n in names]), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
+            .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
             .sign(ca_key, hashes.SHA256()))
     return key, cert
 
 
+def _issue(tmp_path, ca, spec: dict, name: str) -> tuple[str, str]:
+    """A certificate as cert-manager would issue it from a Certificate's spec."""
+    return write(tmp_path, name, *_leaf(ca, spec["dnsNames"], spec["commonName"],
+                                         client_only="server auth" not in spec["usages"]))
+
+
 async def test_the_certificate_names_pass_grpc_hostname_checks_for_the_chart_stage_addresses(tiny_model, tmp_path):
-    """Issue a certificate with exactly the Certificate's dnsNames; a client that dials a stage by the name the
-    chart gives it (--stages / --next-hop) completes the mutual-TLS handshake; another name does not."""
+    """Issue the stages' certificate with exactly their Certificate's names; a client that dials a stage by the
+    name the chart gives it (--stages / --next-hop) completes the mutual-TLS handshake; another name does not."""
     from cryptography.hazmat.primitives import serialization
     objs = render(*TLS)
-    names = one(objs, "Certificate")["spec"]["dnsNames"]
     ca = make_ca("specpipe-ca")
     (tmp_path / "ca.crt").write_bytes(ca[1].public_bytes(serialization.Encoding.PEM))
-    cert, key = write(tmp_path, "pod", *_leaf(ca, names))
+    cert, key = _issue(tmp_path, ca, certificate(objs, "stage")["spec"], "pod")
     tls = TLSFiles(cert, key, str(tmp_path / "ca.crt"))
     coord_args = container(objs, "Deployment")["args"]
     template = next(a for a in coord_args if a.startswith("--stages=")).split("=", 1)[1]
@@ -109,7 +160,7 @@ async def test_the_certificate_names_pass_grpc_hostname_checks_for_the_chart_sta
         port = addrs[0].rsplit(":", 1)[1]
         for host, ok in [(template.replace("{i}", "2").rsplit(":", 1)[0], True),
                          ("rel-specpipe-stage-2.rel-specpipe-stage", True),
-                         ("rel-specpipe-coordinator", True),
+                         ("rel-specpipe-coordinator", False),          # the coordinator's name is its own
                          ("rel-specpipe-stage-2.other-stage.ml.svc.cluster.local", False)]:
             options = [("grpc.ssl_target_name_override", host), ("grpc.default_authority", host)]
             async with grpc.aio.secure_channel(f"127.0.0.1:{port}", tls.channel_credentials(), options) as ch:
@@ -120,6 +171,38 @@ async def test_the_certificate_names_pass_grpc_hostname_checks_for_the_chart_sta
                     with pytest.raises(grpc.aio.AioRpcError) as err:
                         await call
                     assert err.value.code() == grpc.StatusCode.UNAVAILABLE, host
+
+
+async def test_the_chart_identities_decide_who_may_call_what(tiny_model, tmp_path):
+    """Both certificates issued from the chart's Certificates, a stage started with the identity flags the chart
+    gives it: the coordinator's certificate may Control and Configure, the stages' may Forward but not Control."""
+    from cryptography.hazmat.primitives import serialization
+    objs = render(*TLS)
+    ca = make_ca("specpipe-ca")
+    ca_file = str(tmp_path / "ca.crt")
+    (tmp_path / "ca.crt").write_bytes(ca[1].public_bytes(serialization.Encoding.PEM))
+    stage = TLSFiles(*_issue(tmp_path, ca, certificate(objs, "stage")["spec"], "stage"), ca_file)
+    coord = TLSFiles(*_issue(tmp_path, ca, certificate(objs, "coordinator")["spec"], "coordinator"), ca_file)
+    args = container(objs, "StatefulSet")["args"]
+    flags = dict(tls_cert=stage.cert, tls_key=stage.key, tls_ca=ca_file,
+                 tls_coordinator_name=flag(args, "tls-coordinator-name"), tls_peer_names=flag(args, "tls-peer-names"))
+    async with stage_servers(str(tiny_model), 1, tls=flags) as (addrs, _):
+        for who, tls in [("coordinator", coord), ("stage", stage)]:
+            options = [("grpc.ssl_target_name_override", "rel-specpipe-stage-0.rel-specpipe-stage")]
+            async with grpc.aio.secure_channel(addrs[0], tls.channel_credentials(), options) as ch:
+                stub = stage_pb2_grpc.StageStub(ch)
+                info = await stub.Info(stage_pb2.InfoRequest(), timeout=10)
+                assert (await stub.Forward(iter(()), timeout=10)).batches == 0, who
+                if who == "coordinator":
+                    assert (await stub.Control(iter(()), timeout=10)).messages == 0
+                    again = await stub.Configure(stage_pb2.ConfigureRequest(
+                        stage=0, num_stages=1, first_layer=0, last_layer=info.last_layer), timeout=30)
+                    assert again.last_layer == info.last_layer
+                    continue
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Control(iter(()), timeout=10)
+                assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                assert "rel-specpipe-coordinator" in err.value.details() and "rel-specpipe-stage" in err.value.details()
 
 
 async def test_health_port_serves_health_alone_in_plaintext(tmp_path):

@@ -1,6 +1,7 @@
 """Security: mutual TLS on the internal hops (stages refuse peers without a certificate from their CA),
 TLS and a bearer token on the public API, and nothing decoded from the network by pickle or eval.
-Certificates are made in the test with `cryptography`."""
+Certificates are made in the test with `cryptography`; the stage and coordinator certificates carry the
+default identities (services/tls.py), which test_tls_identity.py checks RPC by RPC."""
 from __future__ import annotations
 
 import ast
@@ -15,7 +16,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.server import start
 from protos import generation_pb2, generation_pb2_grpc, stage_pb2, stage_pb2_grpc
 from reference import hf_greedy
-from services.tls import TLSFiles, open_channel
+from services.tls import COORDINATOR_NAME, STAGE_NAME, TLSFiles, open_channel
 from stage_servers import stage_servers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,10 +72,11 @@ def pki(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pki")
     ca, other_ca = make_ca("specpipe-ca"), make_ca("intruder-ca")
     (tmp / "ca.crt").write_bytes(ca[1].public_bytes(serialization.Encoding.PEM))
-    stage = write(tmp, "stage", *make_leaf(ca, "stage"))
-    coord = write(tmp, "coordinator", *make_leaf(ca, "coordinator"))
-    intruder = write(tmp, "intruder", *make_leaf(other_ca, "intruder"))
-    return {"ca": str(tmp / "ca.crt"), "stage": stage, "coordinator": coord, "intruder": intruder}
+    stage = write(tmp, "stage", *make_leaf(ca, STAGE_NAME))
+    coord = write(tmp, "coordinator", *make_leaf(ca, COORDINATOR_NAME))
+    other = write(tmp, "other", *make_leaf(ca, "someone-else"))       # right CA, no identity the stages know
+    intruder = write(tmp, "intruder", *make_leaf(other_ca, COORDINATOR_NAME))     # the right name, wrong CA
+    return {"ca": str(tmp / "ca.crt"), "stage": stage, "coordinator": coord, "other": other, "intruder": intruder}
 
 
 async def stage_info(address: str, tls: TLSFiles | None) -> stage_pb2.StageInfo:
@@ -140,11 +142,18 @@ async def test_api_over_tls_requires_the_bearer_token(tiny_model, tiny_hf, pki):
             await coord.close()
 
 
-def test_tls_files_are_checked():
+def test_tls_files_are_checked(pki):
     with pytest.raises(ValueError, match="both"):
         TLSFiles(cert="x.crt")
     with pytest.raises(ValueError, match="does not exist"):
         TLSFiles(cert="/nonexistent.crt", key="/nonexistent.key")
+    cert, key = pki["stage"]
+    with pytest.raises(ValueError, match="needs the CA"):          # a stage would skip client authentication
+        TLSFiles(cert, key).mutual_server_credentials()
+    with pytest.raises(ValueError, match="needs its own certificate"):       # it would serve plaintext
+        TLSFiles(ca=pki["ca"]).mutual_server_credentials()
+    assert TLSFiles().mutual_server_credentials() is None                   # plaintext: nothing changes
+    assert TLSFiles(cert, key).server_credentials() is not None             # server-only TLS (the public API)
 
 
 def test_nothing_from_the_network_is_decoded_with_pickle_or_eval():

@@ -136,12 +136,12 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end -}}
 
-{{/* Secret of the internal mutual TLS */}}
+{{/* Secret of the stages' certificate for the internal mutual TLS (the coordinator's: _tls.tpl) */}}
 {{- define "specpipe.tlsSecret" -}}
 {{- default (printf "%s-tls" (include "specpipe.fullname" .)) .Values.tls.secretName -}}
 {{- end -}}
 
-{{/* Arguments that turn mutual TLS on for the internal hops (the same files as server and client) */}}
+{{/* Arguments that turn mutual TLS on for the internal hops (one certificate as server and client) */}}
 {{- define "specpipe.tlsArgs" -}}
 {{- if .Values.tls.enabled }}
 - --tls-cert=/etc/specpipe/tls/tls.crt
@@ -158,11 +158,12 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end -}}
 
+{{/* The coordinator's TLS volume: its own certificate (the stages use specpipe.stageTlsVolumes) */}}
 {{- define "specpipe.tlsVolumes" -}}
 {{- if .Values.tls.enabled }}
 - name: tls
   secret:
-    secretName: {{ include "specpipe.tlsSecret" . }}
+    secretName: {{ include "specpipe.coordinatorTlsSecret" . }}
 {{- end }}
 {{- end -}}
 
