@@ -82,7 +82,7 @@ class CoordinatorConfig:
                              "node_budget, prefill_chunk and max_active must be at least 1")
         if self.k8s_statefulset and "{i}" not in self.stage_template:
             raise ValueError("--k8s-statefulset needs --stages as a '{i}' template (the stages' DNS names)")
-        TLSFiles(self.tls_cert, self.tls_key, self.tls_ca)
+        TLSFiles(self.tls_cert, self.tls_key, self.tls_ca).require_mutual("the coordinator")
         TLSFiles(self.api_tls_cert, self.api_tls_key)
         if not 0 <= self.http_port <= 65535:
             raise ValueError("http_port must be in [0, 65535] (0 = no HTTP API)")

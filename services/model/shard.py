@@ -128,15 +128,19 @@ def load_causal_lm(model_ref: str, dtype: torch.dtype, device: str | torch.devic
 def load_shard(model_ref: str, first: int, last: int | None, dtype: torch.dtype,
                device: str | torch.device) -> LlamaShard:
     """Layers [first, last) of a model (last=None: to the end), reading only their tensors from the
-    checkpoint's safetensors (a stage of a 70B model never holds the other stages' weights). A folder
-    without safetensors is loaded whole, then sliced."""
+    checkpoint's safetensors (a stage of a 70B model never holds the other stages' weights). A hub id is
+    fetched by shard (services/model/hub.py: only the files that hold these layers). A local folder without
+    safetensors is loaded whole, then sliced."""
     from pathlib import Path
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from services.model.hub import fetch_shard, layer_prefixes, local_files
+
     folder = Path(model_ref)
-    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
-    if not files:
+    if not folder.is_dir():
+        folder, _ = fetch_shard(model_ref, first, last)
+    elif not any(folder.glob("*.safetensors")):
         model = load_causal_lm(model_ref, dtype, device)
         shard = LlamaShard(model, first, model.config.num_hidden_layers if last is None else last)
         del model
@@ -151,8 +155,9 @@ def load_shard(model_ref: str, first: int, last: int | None, dtype: torch.dtype,
     shard = LlamaShard(model, first, last)
     shard.to_empty(device=device).to(dtype)
     shard.rotary_emb = type(model.model.rotary_emb)(config).to(device)   # computed buffers, not weights
-    wanted = _shard_prefixes(shard, config)
-    state = _read_tensors(files, wanted)
+    wanted = layer_prefixes(shard.first, shard.last, config.num_hidden_layers,
+                            bool(getattr(config, "tie_word_embeddings", False)))
+    state = _read_tensors(local_files(folder, wanted), wanted)
     if shard.is_last and "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]        # tied embeddings
     missing = [k for k in model.state_dict() if k.startswith(wanted) and k not in state]
@@ -164,17 +169,6 @@ def load_shard(model_ref: str, first: int, last: int | None, dtype: torch.dtype,
     model.load_state_dict(state, strict=False)
     shard.eval()
     return shard
-
-
-def _shard_prefixes(shard: "LlamaShard", config) -> tuple[str, ...]:
-    prefixes = [f"model.layers.{i}." for i in range(shard.first, shard.last)]
-    if shard.is_first:
-        prefixes.append("model.embed_tokens.")
-    if shard.is_last:
-        prefixes += ["model.norm.", "lm_head."]
-        if getattr(config, "tie_word_embeddings", False):
-            prefixes.append("model.embed_tokens.")
-    return tuple(prefixes)
 
 
 def _read_tensors(files, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
