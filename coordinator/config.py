@@ -24,6 +24,7 @@ class CoordinatorConfig:
     draft: str = "quant"                 # draft source: quant | quant+ngram | model | ngram | none
     draft_model: str = ""                # HF folder of a separate draft model (draft = model)
     draft_device: str = "cpu"
+    draft_dtype: str = "auto"            # of a separate draft model: auto = bfloat16 on CUDA, else float32
     draft_threads: int = 1               # torch threads of the coordinator (draft compute)
     width: int = _SPEC.width                           # nodes per tree layer / per step
     tree_policy: str = _SPEC.policy                    # layer | best-first | hybrid (measured best: see README)
@@ -227,6 +228,9 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=os.environ.get("SPECPIPE_DRAFT_MODEL", d.draft_model),
                    help="HF folder of the draft model (with --draft model); same tokenizer as the target")
     p.add_argument("--draft-device", default=os.environ.get("SPECPIPE_DRAFT_DEVICE", d.draft_device))
+    p.add_argument("--draft-dtype", default=os.environ.get("SPECPIPE_DRAFT_DTYPE", d.draft_dtype),
+                   choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype of the --draft model (auto: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--draft-threads", type=int, default=d.draft_threads)
     p.add_argument("--width", type=int, default=int(os.environ.get("SPECPIPE_WIDTH", d.width)),
                    help="tree nodes injected per step")
@@ -255,7 +259,7 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def spec_kwargs(a: argparse.Namespace) -> dict:
-    return dict(draft=a.draft, draft_model=a.draft_model, draft_device=a.draft_device,
+    return dict(draft=a.draft, draft_model=a.draft_model, draft_device=a.draft_device, draft_dtype=a.draft_dtype,
                 draft_threads=a.draft_threads, width=a.width, tree_policy=a.tree_policy, topk=a.topk,
                 draft_rounds=a.draft_rounds,
                 sps_k=a.sps_k, tree_nodes=a.tree_nodes, tree_depth=a.tree_depth, tree_topk=a.tree_topk,

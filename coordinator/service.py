@@ -91,7 +91,7 @@ class Coordinator:
                         config.max_new_tokens_cap)
         torch.set_num_threads(config.draft_threads)
         draft = await asyncio.to_thread(build_draft, config.draft, config.model, config.draft_model,
-                                        config.draft_device)
+                                        config.draft_device, config.draft_dtype)
         spec = SpecOptions(draft=draft, width=config.width, policy=config.tree_policy, topk=config.topk,
                            draft_rounds=config.draft_rounds,
                            sps_k=config.sps_k, tree_nodes=config.tree_nodes, tree_depth=config.tree_depth, tree_topk=config.tree_topk,

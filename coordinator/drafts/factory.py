@@ -14,7 +14,8 @@ DRAFTS = ("quant", "quant+ngram", "model", "ngram", "none")
 
 
 def build_draft(kind: str, target: str, draft_model: str = "", device: str = "cpu",
-                dtype: str = "float32") -> DraftSource | None:
+                dtype: str = "auto") -> DraftSource | None:
+    """dtype of a separate draft model: `auto` is bfloat16 on CUDA, float32 elsewhere."""
     if kind not in DRAFTS:
         raise ValueError(f"unknown draft {kind!r}; choose from {', '.join(DRAFTS)}")
     if kind == "none":
@@ -30,5 +31,7 @@ def build_draft(kind: str, target: str, draft_model: str = "", device: str = "cp
         raise ValueError("--draft model needs --draft-model PATH (a Hugging Face folder)")
     draft_ref = resolve_model(draft_model, log=stderr_log)
     check_same_tokenizer(target_ref, draft_ref)
+    if dtype == "auto":
+        dtype = "bfloat16" if str(device).startswith("cuda") else "float32"
     return ModelDraft(load_causal_lm(draft_ref, parse_dtype(dtype), device), name="model")
 

@@ -155,8 +155,27 @@ class ModelDraft(DraftSource):
             del self._q[key]
 
 
-def quantized_copy(model_ref: str, device: str = "cpu") -> nn.Module:
-    """The target with int8 dynamic quantization of every Linear (CPU), or a bf16 copy on CUDA."""
+QUANT_MAX_PARAMS = 3_000_000_000     # above this a copy of the target is no draft: use --draft model
+
+
+def parameter_count(model_ref: str) -> int:
+    """Parameters of a model from its config alone (built on the meta device: nothing is loaded)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_ref))
+    return sum(p.numel() for p in model.parameters())
+
+
+def quantized_copy(model_ref: str, device: str = "cpu", max_params: int = QUANT_MAX_PARAMS) -> nn.Module:
+    """The target with int8 dynamic quantization of every Linear (CPU), or a bf16 copy on CUDA. Refused for
+    a target above `max_params`: the copy would hold a second target in the coordinator's memory (a bf16 copy
+    on its GPU, or an fp32 load before quantization on its CPU) — a separate small draft model is the way."""
+    n = parameter_count(model_ref)
+    if n > max_params:
+        raise ValueError(f"--draft quant copies the target ({n / 1e9:.1f} B parameters; about "
+                         f"{n * (2 if str(device).startswith('cuda') else 4) / 2 ** 30:.0f} GiB while loading) into "
+                         f"the coordinator, above the limit of {max_params / 1e9:.1f} B: use --draft model "
+                         "--draft-model <a small model with the same tokenizer> (or --draft ngram)")
     if str(device).startswith("cuda"):
         return load_causal_lm(model_ref, torch.bfloat16, device)
     model = load_causal_lm(model_ref, torch.float32, "cpu")
