@@ -117,3 +117,17 @@ def test_a_stage_reads_only_its_own_layers(tiny_model8, monkeypatch):
     assert not any(p.is_meta for p in shard.parameters()) and shard.embed_tokens is None and shard.lm_head is None
     with pytest.raises(ValueError, match="layer range"):
         load_shard(str(tiny_model8), 5, 9, torch.float32, "cpu")
+
+
+def test_the_lm_head_computes_logits_in_fp32_for_a_bf16_model(monkeypatch):
+    """bf16 logits round near-equal scores to ties; the head upcasts (in blocks of the vocabulary on CPU)."""
+    import services.model.shard as shard_mod
+    monkeypatch.setattr(shard_mod, "HEAD_BLOCK", 3)                # 10 vocabulary rows: blocks of 3, 3, 3, 1
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 16, generator=g).to(torch.bfloat16)
+    w = torch.randn(10, 16, generator=g).to(torch.bfloat16)
+    got = shard_mod.logits_fp32(x, w)
+    want = x.float() @ w.float().t()
+    assert got.dtype == torch.float32 and torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(got, (x @ w.t()).float())               # what bf16 output would have rounded
+    assert torch.equal(shard_mod.logits_fp32(x.float(), w.float()), want)

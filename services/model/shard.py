@@ -68,10 +68,12 @@ class LlamaShard(nn.Module):
         return self.embed_tokens(token_ids)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[rows, hidden] -> logits [rows, vocab] (float32)."""
+        """[rows, hidden] -> logits [rows, vocab], computed and returned in float32 whatever the model's
+        dtype: bf16 logits would round near-equal scores to ties and flip greedy choices."""
         if self.lm_head is None:
             raise RuntimeError("only the last stage has the LM head")
-        return self.lm_head(self.norm(hidden)).float()
+        logits = logits_fp32(self.norm(hidden), self.lm_head.weight)
+        return logits if self.lm_head.bias is None else logits + self.lm_head.bias.float()
 
     @torch.no_grad()
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, plans: list[AttendPlan]) -> torch.Tensor:
@@ -105,6 +107,22 @@ class LlamaShard(nn.Module):
             hidden = hidden + attn.o_proj(out.reshape(rows, -1))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return hidden
+
+
+HEAD_BLOCK = 4096     # vocabulary rows upcast at a time on the fallback path (bounds the fp32 copy)
+
+
+def logits_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [rows, hidden] @ weight [vocab, hidden].T in float32 -> [rows, vocab] float32. fp32 weights: one
+    matmul. Half-precision on CUDA: the GEMM accumulates and writes fp32 (`out_dtype`). Elsewhere: the
+    weight is upcast `HEAD_BLOCK` rows at a time, so no fp32 copy of a large head is ever held."""
+    x = x.float() if weight.dtype == torch.float32 or not weight.is_cuda else x
+    if weight.dtype == torch.float32:
+        return x @ weight.t()
+    if weight.is_cuda:
+        return torch.mm(x.to(weight.dtype), weight.t(), out_dtype=torch.float32)
+    return torch.cat([x @ weight[i:i + HEAD_BLOCK].float().t() for i in range(0, weight.shape[0], HEAD_BLOCK)],
+                     dim=1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
