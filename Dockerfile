@@ -11,8 +11,8 @@ RUN apt-get update \
 
 WORKDIR /opt/specpipe
 COPY . .
-# The install step is the Makefile's own (tests/test_images.py checks it).
-RUN make install PY=python3 VENV=/opt/venv && rm -rf /root/.cache/pip
+# The install step is the Makefile's own, without the test tools and helm (tests/test_images.py checks it).
+RUN make install-runtime PY=python3 VENV=/opt/venv && rm -rf /root/.cache/pip
 ENV PATH=/opt/venv/bin:$PATH \
     SPECPIPE_LOG_FORMAT=json \
     PYTHONUNBUFFERED=1 \

