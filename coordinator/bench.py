@@ -188,7 +188,8 @@ async def run_bench(cfg: BenchConfig, log=print) -> dict:
         try:
             await stages.wait_ready()
             coordinator = await Coordinator.connect(CoordinatorConfig(
-                stages=tuple(stages.addresses), model=cfg.model, draft=cfg.draft, max_new_tokens_cap=1 << 20,
+                stages=tuple(stages.addresses), model=cfg.model, draft=cfg.draft, draft_device=cfg.device,
+                max_new_tokens_cap=1 << 20,
                 node_budget=cfg.node_budget, max_active=max(cfg.concurrency), max_queue=max(cfg.concurrency)))
             runs: dict[Variant, list[dict]] = {v: [] for v in cfg.variants}
             await _one(coordinator, cfg.variants[0], prompts[0], 4)            # warm-up, not counted

@@ -72,7 +72,10 @@ class LlamaShard(nn.Module):
         dtype: bf16 logits would round near-equal scores to ties and flip greedy choices."""
         if self.lm_head is None:
             raise RuntimeError("only the last stage has the LM head")
-        logits = logits_fp32(self.norm(hidden), self.lm_head.weight)
+        weight = self.lm_head.weight
+        if not isinstance(weight, torch.Tensor):           # a quantized head (the int8 draft): its own kernel
+            return self.lm_head(self.norm(hidden)).float()
+        logits = logits_fp32(self.norm(hidden), weight)
         return logits if self.lm_head.bias is None else logits + self.lm_head.bias.float()
 
     @torch.no_grad()
