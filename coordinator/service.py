@@ -169,11 +169,12 @@ class Coordinator:
                 if kind == "tokens":
                     if text.stopped:
                         continue
-                    delta, stopped = text.feed(payload)
-                    if stopped:
+                    fed = text.feed(payload)
+                    if fed.stopped:
                         self.engine.cancel(rid, "stop")
-                    metrics.tokens(len(payload))
-                    yield Chunk(payload, delta, request_id=rid)
+                    kept = payload[:fed.kept]       # ids after the one completing a stop string are no output
+                    metrics.tokens(len(kept))
+                    yield Chunk(kept, fed.text, request_id=rid)
                     continue
                 fin: Finished = payload
                 done = True
@@ -181,6 +182,8 @@ class Coordinator:
                     raise GenerationFailed(fin.error, fin.error_code or 13)
                 reason = "stop" if text.stopped else fin.reason
                 stats = dict(fin.stats, prompt_tokens=len(params.prompt_ids))
+                if text.stopped:                    # the engine also counted the ids after the stop string
+                    stats["tokens"] = float(metrics.streamed)
                 if not params.sampling.greedy:
                     stats["seed"] = float(params.sampling.seed)
                 log.info("request finished", request_id=rid, method=params.method, reason=reason,

@@ -5,51 +5,121 @@ character and holding back any tail that could still become a stop string:
 
     >>> s = TextStream(decode=lambda ids: "".join(map(chr, ids)), stops=["END"])
     >>> s.feed([ord(c) for c in "hi E"])     # "E" could start "END": held back
-    ('hi ', False)
-    >>> s.feed([ord(c) for c in "ND more"])
-    ('', True)
+    Fed(text='hi ', stopped=False, kept=4)
+    >>> s.feed([ord(c) for c in "ND more"])  # "D" (the 2nd id) completes the stop: 2 ids kept
+    Fed(text='', stopped=True, kept=2)
+
+Decoding is incremental (the prefix-offset window of vLLM's detokenizer, `tokenizers`' DecodeStream): only
+the ids since the last point where the text was complete (no trailing U+FFFD), plus one chunk before it for
+context, are decoded again, so a request costs O(tokens), not O(tokens^2). The text is the one decoding
+all ids at once gives, for decoders whose output after a complete character does not depend on the ids
+before it (byte-level BPE as in Llama 3 / SmolLM2, SentencePiece with byte fallback).
+
+Stop strings and token ids: a stop string is checked after every token, as if tokens came one at a time —
+the earliest-starting stop string in the text up to the first token whose text completes one wins — and
+the output ids end with that token: `kept` counts the fed ids up to and including it, and the ids after it
+(speculation may commit several in one step) are not part of the output. The text ends just before the
+stop string. With stops "END" and one id per character, feeding "xxENDyy" in one chunk keeps 5 ids.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
+
+REPLACEMENT = "\ufffd"      # what decoding puts for an incomplete (or invalid) UTF-8 sequence
+
+
+class Fed(NamedTuple):
+    text: str        # text to emit now
+    stopped: bool    # a stop string was hit (by this feed or an earlier one)
+    kept: int        # how many of the fed ids belong to the output (all, unless a stop string was hit)
 
 
 class TextStream:
     def __init__(self, decode: Callable[[list[int]], str], stops: list[str] | tuple[str, ...] = ()) -> None:
         self.decode = decode
         self.stops = [s for s in stops if s]
-        self.ids: list[int] = []
-        self.sent = 0            # characters of the decoded text already emitted
         self.stopped = False
+        self._window: list[int] = []   # ids from the window's start: the previous complete-text point
+        self._read = 0                 # window ids before this were read when the window moved
+        self._prefix = ""              # decode(window[:read]): subtracted from the window's text
+        self._partial = 0              # characters after the prefix already taken (text still incomplete)
+        self._pending = ""             # decoded, not emitted yet (held back, or not released yet)
 
-    def feed(self, token_ids: list[int]) -> tuple[str, bool]:
-        """Add committed ids; return (text to emit now, whether a stop string was hit)."""
+    def feed(self, token_ids: list[int]) -> Fed:
+        """Add committed ids; return the text to emit now, whether a stop string was hit, and how many of
+        these ids are kept (see the module docstring)."""
         if self.stopped:
-            return "", True
-        self.ids.extend(token_ids)
-        text = self.decode(self.ids)
-        hits = [i for stop in self.stops if (i := text.find(stop, max(0, self.sent - len(stop) + 1))) != -1]
-        if hits:                                              # the earliest stop string wins
-            i = min(hits)
-            self.stopped = True
-            out = text[self.sent:i] if i > self.sent else ""
-            self.sent = max(self.sent, i)
-            return out, True
-        end = len(text)
-        while end > self.sent and text[end - 1] == "\ufffd":    # incomplete multi-byte character
-            end -= 1
-        hold = max((k for stop in self.stops for k in range(1, len(stop))
-                    if text[:end].endswith(stop[:k])), default=0)
-        end = max(self.sent, end - hold)
-        out, self.sent = text[self.sent:end], end
-        return out, False
+            return Fed("", True, 0)
+        if not self.stops:
+            self._read_ids(token_ids)
+            return Fed(self._release(), False, len(token_ids))
+        before = self._state()
+        self._read_ids(token_ids)
+        if self._find_stop() == -1:
+            return Fed(self._release(), False, len(token_ids))
+        after = self._state()
+        self._restore(before)        # a stop string: replay one id at a time to find the one completing it
+        for n, token in enumerate(token_ids, 1):
+            self._read_ids([token])
+            if (i := self._find_stop()) != -1:
+                return self._stop(i, n)
+        self._restore(after)         # a decoder whose text depends on how ids are grouped: stop here anyway
+        return self._stop(self._find_stop(), len(token_ids))
 
     def flush(self) -> str:
-        """At the end of a request: whatever was held back."""
+        """At the end of a request: whatever was held back (an incomplete character included)."""
         if self.stopped:
             return ""
-        text = self.decode(self.ids)
-        out, self.sent = text[self.sent:], len(text)
+        text = self.decode(self._window)
+        out = self._pending + text[len(self._prefix) + self._partial:]
+        self._pending = ""
+        self._window, self._read, self._prefix, self._partial = [], 0, "", 0
+        return out
+
+    # -- incremental decoding ------------------------------------------------------------------------
+    def _read_ids(self, token_ids: list[int]) -> None:
+        """Decode the window with the new ids; move the complete new text into `_pending`."""
+        if not token_ids:
+            return
+        self._window.extend(token_ids)
+        text = self.decode(self._window)
+        fresh = text[len(self._prefix):]
+        complete = not text.endswith(REPLACEMENT)
+        usable = fresh if complete else fresh.rstrip(REPLACEMENT)
+        if len(usable) > self._partial:
+            self._pending += usable[self._partial:]
+            self._partial = len(usable)
+        if complete:                 # a clean point: the window restarts at the previous one
+            self._window = self._window[self._read:]
+            self._read = len(self._window)
+            self._prefix = self.decode(self._window)
+            self._partial = 0
+
+    def _state(self) -> tuple[list[int], int, str, int, str]:
+        return list(self._window), self._read, self._prefix, self._partial, self._pending
+
+    def _restore(self, state: tuple[list[int], int, str, int, str]) -> None:
+        window, self._read, self._prefix, self._partial, self._pending = state
+        self._window = list(window)
+
+    # -- stop strings --------------------------------------------------------------------------------
+    def _find_stop(self) -> int:
+        """Start of the earliest stop string in the pending text, -1 if none. No stop string can start in
+        text already emitted: a tail that could begin one is always held back."""
+        return min((i for stop in self.stops if (i := self._pending.find(stop)) != -1), default=-1)
+
+    def _stop(self, at: int, kept: int) -> Fed:
+        out = self._pending[:at]
+        self.stopped, self._pending = True, ""
+        self._window, self._read, self._prefix, self._partial = [], 0, "", 0
+        return Fed(out, True, kept)
+
+    def _release(self) -> str:
+        """Emit the pending text but for a tail that could still become a stop string."""
+        p = self._pending
+        hold = max((k for stop in self.stops for k in range(1, len(stop)) if p.endswith(stop[:k])), default=0)
+        out, self._pending = p[:len(p) - hold], p[len(p) - hold:]
         return out
 
 

@@ -56,7 +56,11 @@ class CacheGeometry:
 @dataclass
 class RequestKV:
     """Everything one request holds at one stage. Tensors are allocated with the first row; growth asks
-    `reserve` (the stage cache's budget) first."""
+    `reserve` (the stage cache's budget) first, and gives the bytes back (`reserve(-n)`) when the
+    allocation itself fails, so the budget counts exactly the tensors held:
+
+        reserve(+n)  ->  torch.zeros ... fails (out of memory)  ->  reserve(-n), re-raise
+        the request's tensors, slots and node table are as before the row that asked for them"""
     geometry: CacheGeometry
     reserve: Callable[[int], None] = lambda extra_bytes: None
     table: NodeTable = field(default_factory=NodeTable)
@@ -73,20 +77,27 @@ class RequestKV:
         return 0 if self.slot_position is None else int(self.slot_position.shape[0])
 
     def _allocate(self, capacity: int) -> None:
+        """Grow to `capacity` slots, keeping the KV of the slots in use. Reserves the extra bytes first (may
+        raise KVExhausted) and returns them when building the new tensors fails; nothing changes then."""
         g = self.geometry
-        self.reserve((capacity - self.capacity) * g.bytes_per_slot)
-        shape = (capacity, g.kv_heads, g.head_dim)
-        old = self.high_water
-        new_k = [torch.zeros(shape, dtype=g.dtype, device=g.device) for _ in range(g.num_layers)]
-        new_v = [torch.zeros(shape, dtype=g.dtype, device=g.device) for _ in range(g.num_layers)]
-        for i in range(len(self.k)):
-            new_k[i][:old] = self.k[i][:old]
-            new_v[i][:old] = self.v[i][:old]
-        pos = torch.full((capacity,), -1, dtype=torch.int64, device=g.device)
-        com = torch.zeros((capacity,), dtype=torch.bool, device=g.device)
-        if self.slot_position is not None:
-            pos[:old] = self.slot_position[:old]
-            com[:old] = self.committed[:old]
+        extra = (capacity - self.capacity) * g.bytes_per_slot
+        self.reserve(extra)
+        try:
+            shape = (capacity, g.kv_heads, g.head_dim)
+            old = self.high_water
+            new_k = [torch.zeros(shape, dtype=g.dtype, device=g.device) for _ in range(g.num_layers)]
+            new_v = [torch.zeros(shape, dtype=g.dtype, device=g.device) for _ in range(g.num_layers)]
+            for i in range(len(self.k)):
+                new_k[i][:old] = self.k[i][:old]
+                new_v[i][:old] = self.v[i][:old]
+            pos = torch.full((capacity,), -1, dtype=torch.int64, device=g.device)
+            com = torch.zeros((capacity,), dtype=torch.bool, device=g.device)
+            if self.slot_position is not None:
+                pos[:old] = self.slot_position[:old]
+                com[:old] = self.committed[:old]
+        except BaseException:
+            self.reserve(-extra)
+            raise
         self.k, self.v, self.slot_position, self.committed = new_k, new_v, pos, com
 
     def _take_slot(self) -> int:
@@ -99,10 +110,14 @@ class RequestKV:
 
     # -- admission and control ----------------------------------------------------------------------
     def admit(self, node_id: int, parent_id: int, position: int) -> int | None:
-        """Admit a row; return its slot, or None when the row is dropped."""
-        if self.table.admit(node_id, parent_id, position) is Admit.DROP:
+        """Admit a row; return its slot, or None when the row is dropped. The slot is taken before the
+        table holds the row, so a failed allocation (KVExhausted, out of memory) leaves both unchanged."""
+        verdict = self.table.judge(node_id, parent_id, position)
+        if verdict is Admit.DROP:
+            self.table.settle(verdict, node_id, parent_id, position)
             return None
         slot = self._take_slot()
+        self.table.settle(verdict, node_id, parent_id, position)
         self.slot_of[node_id] = slot
         self.slot_position[slot] = position
         self.committed[slot] = self.table.nodes[node_id].committed
@@ -159,7 +174,9 @@ class KVCache:
         self._released_memory = released_memory
 
     def _reserve(self, extra: int) -> None:
-        if self.limit_bytes and self.allocated + extra > self.limit_bytes:
+        """Count `extra` more bytes of K/V (KVExhausted past the limit); a negative `extra` gives bytes back
+        (an allocation that failed after reserving)."""
+        if extra > 0 and self.limit_bytes and self.allocated + extra > self.limit_bytes:
             raise KVExhausted(f"KV cache limit of {self.limit_bytes / MiB:.1f} MiB reached "
                               f"({self.allocated / MiB:.1f} MiB held by {len(self.requests)} requests, "
                               f"{extra / MiB:.1f} MiB more needed)")

@@ -1,4 +1,6 @@
-"""Unit tests for coordinator/text.py: TextStream (UTF-8 hold-back, stop strings) and PromptEncoder."""
+"""Unit tests for coordinator/text.py: TextStream (UTF-8 hold-back, stop strings, kept ids, incremental
+decoding) and PromptEncoder. Tokenizers: a byte-level fake here, the real default model's in
+tests/test_text_real.py."""
 from __future__ import annotations
 
 import pytest
@@ -18,43 +20,43 @@ def ids(s: str) -> list[int]:
 
 
 def run(stream: TextStream, chunks: list[str]) -> list[tuple[str, bool]]:
-    return [stream.feed(ids(c)) for c in chunks]
+    return [stream.feed(ids(c))[:2] for c in chunks]
 
 
 # -- UTF-8 --------------------------------------------------------------------------------------------
 def test_incomplete_utf8_held_back_until_complete() -> None:
     s = TextStream(decode)
-    assert s.feed([0x61, 0xE2]) == ("a", False)          # "€" = e2 82 ac
-    assert s.feed([0x82]) == ("", False)
-    assert s.feed([0xAC, 0x62]) == ("€b", False)
-    assert s.feed([0xF0, 0x9F, 0x98]) == ("", False)      # "😀" = f0 9f 98 80
-    assert s.feed([0x80]) == ("😀", False)
+    assert s.feed([0x61, 0xE2])[:2] == ("a", False)          # "€" = e2 82 ac
+    assert s.feed([0x82])[:2] == ("", False)
+    assert s.feed([0xAC, 0x62])[:2] == ("€b", False)
+    assert s.feed([0xF0, 0x9F, 0x98])[:2] == ("", False)      # "😀" = f0 9f 98 80
+    assert s.feed([0x80])[:2] == ("😀", False)
     assert s.flush() == ""
 
 
 def test_flush_returns_incomplete_tail() -> None:
     s = TextStream(decode)
-    assert s.feed([0x61, 0xE2, 0x82]) == ("a", False)
+    assert s.feed([0x61, 0xE2, 0x82])[:2] == ("a", False)
     assert s.flush() == "\ufffd"
 
 
 def test_invalid_byte_followed_by_text_is_emitted() -> None:
     s = TextStream(decode)
-    assert s.feed([0xFF]) == ("", False)                  # could look incomplete: held
-    assert s.feed([0x41]) == ("\ufffdA", False)
+    assert s.feed([0xFF])[:2] == ("", False)                  # could look incomplete: held
+    assert s.feed([0x41])[:2] == ("\ufffdA", False)
 
 
 # -- stop strings -------------------------------------------------------------------------------------
 def test_docstring_example() -> None:
     s = TextStream(decode=lambda t: "".join(map(chr, t)), stops=["END"])
-    assert s.feed([ord(c) for c in "hi E"]) == ("hi ", False)
-    assert s.feed([ord(c) for c in "ND more"]) == ("", True)
+    assert s.feed([ord(c) for c in "hi E"])[:2] == ("hi ", False)
+    assert s.feed([ord(c) for c in "ND more"])[:2] == ("", True)
 
 
 def test_stop_spanning_several_feeds() -> None:
     s = TextStream(decode, stops=["STOP"])
     assert run(s, ["ab S", "TO", "P tail"]) == [("ab ", False), ("", False), ("", True)]
-    assert s.feed(ids("more")) == ("", True)
+    assert s.feed(ids("more"))[:2] == ("", True)
     assert s.flush() == ""
 
 
@@ -67,15 +69,15 @@ def test_text_before_stop_emitted_once_and_nothing_after() -> None:
 
 def test_text_and_stop_in_same_feed() -> None:
     s = TextStream(decode, stops=["<end>"])
-    assert s.feed(ids("abc<end>def")) == ("abc", True)
+    assert s.feed(ids("abc<end>def"))[:2] == ("abc", True)
     assert s.flush() == ""
 
 
 def test_held_prefix_released_when_not_a_stop() -> None:
     s = TextStream(decode, stops=["STOP"])
-    assert s.feed(ids("xST")) == ("x", False)
-    assert s.feed(ids("y")) == ("STy", False)
-    assert s.feed(ids("S")) == ("", False)
+    assert s.feed(ids("xST"))[:2] == ("x", False)
+    assert s.feed(ids("y"))[:2] == ("STy", False)
+    assert s.feed(ids("S"))[:2] == ("", False)
     assert s.flush() == "S"
 
 
@@ -89,8 +91,8 @@ def test_stop_at_very_start(chunks: list[str]) -> None:
 
 def test_stop_after_multibyte_character() -> None:
     s = TextStream(decode, stops=["!"])
-    assert s.feed([0xE2, 0x82]) == ("", False)
-    assert s.feed([0xAC] + ids("!x")) == ("€", True)
+    assert s.feed([0xE2, 0x82])[:2] == ("", False)
+    assert s.feed([0xAC] + ids("!x"))[:2] == ("€", True)
 
 
 def test_overlapping_stop_prefix() -> None:
@@ -101,19 +103,19 @@ def test_overlapping_stop_prefix() -> None:
 
 def test_empty_stop_strings_ignored() -> None:
     s = TextStream(decode, stops=["", "Z"])
-    assert s.feed(ids("abc")) == ("abc", False)
-    assert s.feed(ids("Zq")) == ("", True)
+    assert s.feed(ids("abc"))[:2] == ("abc", False)
+    assert s.feed(ids("Zq"))[:2] == ("", True)
 
 
 def test_several_stops_across_feeds_earliest_wins() -> None:
     s = TextStream(decode, stops=["zz", "y"])
-    assert s.feed(ids("1z")) == ("1", False)
-    assert s.feed(ids("y")) == ("z", True)
+    assert s.feed(ids("1z"))[:2] == ("1", False)
+    assert s.feed(ids("y"))[:2] == ("z", True)
 
 
 def test_several_stops_same_feed_listed_in_position_order() -> None:
     s = TextStream(decode, stops=["a", "b"])
-    assert s.feed(ids("xab")) == ("x", True)
+    assert s.feed(ids("xab"))[:2] == ("x", True)
 
 
 @pytest.mark.parametrize("stops, text, expected", [
@@ -122,13 +124,13 @@ def test_several_stops_same_feed_listed_in_position_order() -> None:
 ])
 def test_several_stops_same_feed_earliest_wins(stops: list[str], text: str, expected: str) -> None:
     s = TextStream(decode, stops=stops)
-    assert s.feed(ids(text)) == (expected, True)
+    assert s.feed(ids(text))[:2] == (expected, True)
 
 
 def test_flush_returns_held_back_tail_without_stop() -> None:
     s = TextStream(decode, stops=["END"])
-    assert s.feed(ids("abcE")) == ("abc", False)
-    assert s.feed(ids("N")) == ("", False)
+    assert s.feed(ids("abcE"))[:2] == ("abc", False)
+    assert s.feed(ids("N"))[:2] == ("", False)
     assert s.flush() == "EN"
     assert s.flush() == ""
 
@@ -150,7 +152,8 @@ def test_property_concat_plus_flush_is_full_text(chunks: list[list[int]]) -> Non
     s = TextStream(decode)
     emitted = ""
     for c in chunks:
-        out, stopped = s.feed(c)
+        out, stopped, kept = s.feed(c)
+        assert kept == len(c)
         assert not stopped
         emitted += out
     full = decode([b for c in chunks for b in c])
@@ -164,7 +167,7 @@ def test_property_single_stop_truncates_at_first_occurrence(chunks: list[str], s
     s = TextStream(decode, stops=[stop])
     emitted, hit = "", False
     for c in chunks:
-        out, hit = s.feed(ids(c))
+        out, hit, _ = s.feed(ids(c))
         emitted += out
     full = "".join(chunks)
     i = full.find(stop)
@@ -174,6 +177,88 @@ def test_property_single_stop_truncates_at_first_occurrence(chunks: list[str], s
     else:
         assert hit
         assert emitted == full[:i] and s.flush() == ""
+
+
+# -- kept ids: the output ends with the token that completes the stop string -------------------------
+def test_kept_counts_ids_up_to_the_one_completing_the_stop() -> None:
+    s = TextStream(decode, stops=["END"])
+    assert s.feed(ids("xxENDyy")) == ("xx", True, 5)
+    assert s.feed(ids("zz")) == ("", True, 0)
+
+
+def test_kept_across_feeds() -> None:
+    s = TextStream(decode, stops=["STOP"])
+    assert [s.feed(ids(c)) for c in ["ab S", "TO", "P tail"]] == [("ab ", False, 4), ("", False, 2),
+                                                                   ("", True, 1)]
+
+
+def test_kept_when_the_stop_ends_inside_a_multibyte_character() -> None:
+    s = TextStream(decode, stops=["é"])                 # "é" = c3 a9: the 2nd byte completes it
+    assert s.feed([0x61, 0xC3]) == ("a", False, 2)
+    assert s.feed([0xA9, 0x62, 0x63]) == ("", True, 1)
+
+
+def test_kept_is_all_without_a_stop_even_when_text_is_held() -> None:
+    s = TextStream(decode, stops=["STOP"])
+    assert s.feed(ids("xST")) == ("x", False, 3)
+    assert s.feed([0xE2, 0x82]) == ("", False, 2)       # incomplete "€" after "ST": held, ids kept
+    assert s.feed([0xAC]) == ("ST€", False, 1)
+
+
+def test_stop_checked_token_by_token_not_per_chunk() -> None:
+    """"bc" is complete one token before "abcd": it wins however the ids are grouped."""
+    for chunks in (["abcd"], ["a", "b", "c", "d"], ["ab", "cd"]):
+        s = TextStream(decode, stops=["abcd", "bc"])
+        out = [s.feed(ids(c)) for c in chunks]
+        assert "".join(o.text for o in out) == "a" and sum(o.kept for o in out) == 3, chunks
+
+
+def first_stop(all_ids: list[int], stops: list[str]) -> tuple[int, str] | None:
+    """Reference: (ids kept, text) for one-id-at-a-time generation with a stop check after each id."""
+    for k in range(1, len(all_ids) + 1):
+        text = decode(all_ids[:k])
+        hits = [i for stop in stops if (i := text.find(stop)) != -1]
+        if hits:
+            return k, text[:min(hits)]
+    return None
+
+
+@settings(max_examples=300, deadline=None)
+@given(chunks=st.lists(st.text(alphabet="abé€", max_size=5), max_size=8),
+       stops=st.lists(st.text(alphabet="abé", min_size=1, max_size=3), min_size=1, max_size=3))
+def test_property_kept_and_text_match_token_at_a_time(chunks: list[str], stops: list[str]) -> None:
+    s = TextStream(decode, stops=stops)
+    fed = [s.feed(ids(c)) for c in chunks]
+    tail = s.flush()
+    all_ids = ids("".join(chunks))
+    ref = first_stop(all_ids, stops)
+    text, kept = "".join(f.text for f in fed), sum(f.kept for f in fed)
+    if ref is None:
+        assert not s.stopped and kept == len(all_ids) and text + tail == decode(all_ids)
+    else:
+        assert s.stopped and (kept, text) == ref and tail == ""
+        assert decode(all_ids).startswith(text)
+
+
+# -- incremental decoding -----------------------------------------------------------------------------
+class CountingDecode:
+    def __init__(self) -> None:
+        self.ids_decoded = 0
+
+    def __call__(self, token_ids: list[int]) -> str:
+        self.ids_decoded += len(token_ids)
+        return decode(token_ids)
+
+
+@pytest.mark.parametrize("stops", [[], ["<never>"]])
+def test_decoding_is_incremental(stops: list[str]) -> None:
+    """Feeding n ids one at a time decodes O(n) ids in all, not O(n^2)."""
+    counting = CountingDecode()
+    s = TextStream(counting, stops=stops)
+    text = "ab €😀 日本 " * 200
+    out = "".join(s.feed([b]).text for b in ids(text)) + s.flush()
+    assert out == text
+    assert counting.ids_decoded <= 12 * len(ids(text))
 
 
 # -- PromptEncoder ------------------------------------------------------------------------------------
