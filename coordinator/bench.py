@@ -23,6 +23,7 @@ from services.config import parse_draft_time, parse_stage_time
 
 from coordinator.config import CoordinatorConfig
 from coordinator.local import LocalStages
+from coordinator.schedulers.registry import SpecOptions
 from coordinator.service import Coordinator, GenerateInput
 
 OVERRUN = 0.9    # flag a stage whose real compute per step exceeds this share of its emulated time
@@ -285,7 +286,7 @@ def _cores() -> int:
 def main_args(p) -> None:
     p.add_argument("--stages", default="8", help="comma-separated pipeline depths")
     p.add_argument("--methods", default="pp,specpipe")
-    p.add_argument("--widths", default="16", help="comma-separated widths for specpipe")
+    p.add_argument("--widths", default=str(SpecOptions().width), help="comma-separated widths for specpipe")
     p.add_argument("--tree-policies", default="hybrid", help="comma-separated: layer,best-first,hybrid")
     p.add_argument("--topks", default="", help="comma-separated children per node to sweep for specpipe")
     p.add_argument("--draft-rounds", default="", help="comma-separated draft calls per step to sweep for specpipe")

@@ -96,7 +96,7 @@ class Env:
         self._servers += api_servers
         self.api_server, self.coord = await start_coordinator(CoordinatorConfig(
             stages=tuple(self.api_stage_addrs), model=self.model, port=0, max_new_tokens_cap=64,
-            default_max_new_tokens=16, max_message_mb=MAX_MB))
+            default_max_new_tokens=16, max_message_mb=MAX_MB, api_max_message_mb=MAX_MB))
         self.api_addr = f"127.0.0.1:{self.api_server.port}"
         self.channels = {a: grpc.aio.insecure_channel(a) for a in [*self.addrs, *self.api_stage_addrs, self.api_addr]}
         self.stubs = [stage_pb2_grpc.StageStub(self.channels[a]) for a in self.addrs]

@@ -16,3 +16,21 @@ def prompts(n: int, seed: int = 0, low: int = 3, high: int = 256) -> list[list[i
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(low, high, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist()
             for _ in range(n)]
+
+
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer whose token id is the byte value (fits the tiny model's 256 ids), with a chat
+    template; built offline with `tokenizers`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    visible = [*range(33, 127), *range(161, 173), *range(174, 256)]        # GPT-2's byte -> character map
+    chars = {b: chr(b) for b in visible}
+    chars.update({b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in chars)})
+    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=TEMPLATE)

@@ -16,26 +16,10 @@ import pytest
 from coordinator.config import CoordinatorConfig
 from coordinator.openai_schema import ApiError, parse_chat, parse_completion
 from coordinator.server import start, start_http
-from reference import hf_greedy
+from reference import byte_tokenizer, hf_greedy
 from stage_servers import stage_servers
 
-TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<assistant>{% endif %}")
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
-
-
-def byte_tokenizer():
-    """A byte-level tokenizer whose token id is the byte value (fits the tiny model's 256 ids), with a chat
-    template; built offline with `tokenizers`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    visible = [*range(33, 127), *range(161, 173), *range(174, 256)]        # GPT-2's byte -> character map
-    chars = {b: chr(b) for b in visible}
-    chars.update({b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in chars)})
-    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=TEMPLATE)
 
 
 @pytest.fixture(scope="module")
