@@ -123,3 +123,20 @@ def test_dropped_row_never_allocates(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch, "zeros", FailOn(torch.zeros))
     assert r.admit(0, -1, 0) is None
     assert c.nbytes() == 0 and r.capacity == 0
+
+
+def test_out_of_device_memory_fails_the_request_as_resource_exhausted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's OutOfMemoryError while growing becomes KVExhausted (RESOURCE_EXHAUSTED for this request only,
+    not INTERNAL for the whole micro-batch); the bytes reserved are given back."""
+    c = KVCache(geometry())
+    r = c.get("a", create=True)
+    real = torch.zeros
+
+    def oom(*args: object, **kwargs: object) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(torch, "zeros", oom)
+    with pytest.raises(KVExhausted, match="out of device memory growing the KV cache") as err:
+        r.admit(0, -1, 0)
+    assert err.value.code == 8 and c.nbytes() == 0 and r.capacity == 0
+    monkeypatch.setattr(torch, "zeros", real)
+    assert r.admit(0, -1, 0) == 0
