@@ -5,7 +5,13 @@ as the gRPC API.
     GET  /v1/models, /v1/models/{id}     the served model
     POST /v1/completions                 raw prompt (text or token ids)
     POST /v1/chat/completions            messages rendered with the model's chat template
-    GET  /health                         liveness (no token needed)
+    GET  /health                         readiness: 200 while the pipeline serves, else 503 (no token needed)
+    GET  /live                           liveness: 200 while the process runs (no token needed)
+
+Limits: a body over `max_body_bytes` is refused with 413 (by its Content-Length before it is read, else once
+it grows past the cap); headers must arrive within `timeout_s` of the connection's start or of the previous
+response (else the connection is closed; an idle keep-alive connection too), the body within `timeout_s` of
+the headers (else 408). Large JSON bodies are parsed and chat templates rendered in a worker thread.
 
 Streaming answers are server-sent events (`data: {...}` per chunk, then `data: [DONE]`). A client that hangs
 up cancels its generation: the handler is cancelled (handler_cancellation) and the generator is closed, whose
@@ -13,6 +19,7 @@ up cancels its generation: the handler is cancelled (handler_cancellation) and t
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import ssl
@@ -29,13 +36,15 @@ from aiohttp.typedefs import Handler
 
 from services.logs import get_logger
 
+from coordinator.api import client_identity, serving_state
 from coordinator.openai_schema import (ApiError, OpenAIRequest, chunk, completion, from_generation_error,
                                        parse_chat, parse_completion, usage)
 from coordinator.requests import InvalidRequest
 from coordinator.service import Chunk, Coordinator, GenerationFailed
 
 log = get_logger(__name__)
-MAX_BODY_BYTES = 32 * 1024 * 1024
+MAX_BODY_BYTES = 4 * 1024 * 1024        # default body cap (the coordinator passes --api-max-message-mb)
+INLINE_JSON_BYTES = 64 * 1024           # bodies up to this are parsed on the event loop, larger in a thread
 
 
 def served_model_name(model: str) -> str:
@@ -46,20 +55,29 @@ def served_model_name(model: str) -> str:
 class OpenAIServer:
     """Serves the OpenAI-compatible API for one Coordinator. `token`: the bearer token required on /v1
     (empty: open); `tls`: (cert, key) PEM files to serve HTTPS; `grace_s`: how long stop() lets running
-    requests finish before they are cancelled."""
+    requests finish before they are cancelled; `max_body_bytes`: the largest request body (413 beyond);
+    `timeout_s`: how long headers, and then the body, may take to arrive."""
 
     def __init__(self, coordinator: Coordinator, model_name: str = "", token: str = "",
-                 tls: tuple[str, str] | None = None, grace_s: float = 10.0) -> None:
+                 tls: tuple[str, str] | None = None, grace_s: float = 10.0,
+                 max_body_bytes: int = MAX_BODY_BYTES, timeout_s: float = 30.0) -> None:
         self.coordinator = coordinator
         self.model = model_name or served_model_name(coordinator.config.model)
+        self._token = token
         self._expected = f"Bearer {token}".encode() if token else None
         self._tls = tls
-        self.app = web.Application(middlewares=[self._middleware], client_max_size=MAX_BODY_BYTES)
+        self.max_body_bytes, self.timeout_s = max_body_bytes, timeout_s
+        self.app = web.Application(middlewares=[self._middleware], client_max_size=max_body_bytes)
         self.app.add_routes([web.get("/v1/models", self.models), web.get("/v1/models/{model:.+}", self.model_info),
                              web.post("/v1/completions", self.completions),
                              web.post("/v1/chat/completions", self.chat_completions),
-                             web.get("/health", self.health)])
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=grace_s)
+                             web.get("/health", self.health), web.get("/live", self.live)])
+        # aiohttp starts the keep-alive timer when a connection opens and again after each response, and
+        # closes the connection if no complete request head has arrived when it fires: the header timeout.
+        # After an early answer (408, 413) it reads and drops the rest of the body for lingering_time, then
+        # closes the connection.
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=grace_s,
+                                     keepalive_timeout=timeout_s, lingering_time=min(10.0, timeout_s))
         self.port = 0
         self.scheme = "https" if tls else "http"
 
@@ -91,7 +109,10 @@ class OpenAIServer:
                                    code="invalid_api_key")
             return await handler(request)
         except ApiError as e:
-            return web.json_response(e.body(), status=e.status)
+            resp = web.json_response(e.body(), status=e.status)
+            if e.status in (408, 413):          # the rest of the body may still be coming: do not read it
+                resp.force_close()
+            return resp
         except web.HTTPException as e:        # the router's 404 / 405, in OpenAI's shape
             if e.status < 400:
                 raise
@@ -101,9 +122,27 @@ class OpenAIServer:
             log.exception("openai api request failed", path=request.path)
             return web.json_response(ApiError(500, f"internal error: {e}", "server_error").body(), status=500)
 
-    async def _body(self, request: web.Request) -> dict[str, Any]:
+    def _too_large(self) -> ApiError:
+        return ApiError(413, f"the request body is larger than {self.max_body_bytes} bytes",
+                        code="request_too_large")
+
+    async def _read(self, request: web.Request) -> bytes:
+        """The body, at most max_body_bytes (413), within timeout_s (408)."""
+        if request.content_length is not None and request.content_length > self.max_body_bytes:
+            raise self._too_large()
         try:
-            body = json.loads(await request.read())
+            async with asyncio.timeout(self.timeout_s):
+                return await request.read()
+        except web.HTTPRequestEntityTooLarge:        # no Content-Length (chunked), or it lied
+            raise self._too_large() from None
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.timeout_s:g} s",
+                           code="request_timeout") from None
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        raw = await self._read(request)
+        try:
+            body = json.loads(raw) if len(raw) <= INLINE_JSON_BYTES else await asyncio.to_thread(json.loads, raw)
         except (ValueError, UnicodeDecodeError, RecursionError):        # RecursionError: absurd nesting
             raise ApiError(400, "the request body is not valid JSON") from None
         if not isinstance(body, dict):
@@ -112,7 +151,16 @@ class OpenAIServer:
 
     # -- routes ---------------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+        """Readiness: 200 while the pipeline serves; 503 (and why) while it is down, recovering, held by a
+        re-partition, scaled to zero, or the coordinator is closing."""
+        ok, why = serving_state(self.coordinator)
+        if ok:
+            return web.json_response({"status": "ok"})
+        return web.json_response({"status": "unavailable", "reason": why}, status=503)
+
+    async def live(self, request: web.Request) -> web.Response:
+        """Liveness: the process answers, whatever the pipeline does."""
+        return web.json_response({"status": "alive"})
 
     def _model_object(self) -> dict[str, Any]:
         return {"id": self.model, "object": "model", "created": 0, "owned_by": "specpipe"}
@@ -131,13 +179,16 @@ class OpenAIServer:
         return await self._generate(request, req, chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        req = parse_chat(await self._body(request), self.model, self.coordinator.encoder.encode_chat)
+        body = await self._body(request)
+        # the chat template (jinja) and tokenizing a long conversation are not the event loop's work
+        req = await asyncio.to_thread(parse_chat, body, self.model, self.coordinator.encoder.encode_chat)
         return await self._generate(request, req, chat=True)
 
     # -- generation -----------------------------------------------------------------------------------
     async def _generate(self, request: web.Request, req: OpenAIRequest, chat: bool) -> web.StreamResponse:
         rid = uuid.uuid4().hex[:16]
         req.inp.request_id = rid
+        req.inp.client = client_identity(self._token, request.remote or "")
         oid = f"{'chatcmpl' if chat else 'cmpl'}-{rid}"
         with structlog.contextvars.bound_contextvars(request_id=rid):
             gen = self.coordinator.generate(req.inp)

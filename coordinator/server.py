@@ -5,25 +5,116 @@ import argparse
 import asyncio
 import os
 
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
 from protos import generation_pb2, generation_pb2_grpc
 from services.config import MiB
 from services.grpc_server import Server
 from services.logs import configure, get_logger
-from services.tls import BearerTokenInterceptor, TLSFiles
+from services.malformed import MalformedRequestInterceptor
+from services.tls import TLSFiles
 
-from coordinator.api import GenerationServicer
+from coordinator.api import ApiTokenInterceptor, GenerationServicer, serving_state
 from coordinator.config import CoordinatorConfig
 from coordinator.openai_api import OpenAIServer
 from coordinator.service import Coordinator
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+# grpc.health.v1 service that says SERVING while the process runs, whatever the pipeline does (liveness);
+# "" and SERVICE_NAME say whether the pipeline serves (readiness)
+LIVENESS_SERVICE = "liveness"
+HEALTH_POLL_S = 0.25
+log = get_logger("specpipe.coordinator")
 
 
-async def start(config: CoordinatorConfig) -> tuple[Server, Coordinator]:
+def api_server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """The public port's gRPC options (stage hops use services/grpc_server.server_options): its own message
+    limit, a keepalive that finds dead clients, and pings policed (our clients ping every 30 s,
+    services/grpc_server.channel_options; more than every 10 s without data is a strike, 2 strikes end the
+    connection)."""
+    return [("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_metadata_size", 16 * 1024),
+            ("grpc.keepalive_time_ms", 60_000),
+            ("grpc.keepalive_timeout_ms", 20_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+            ("grpc.http2.max_ping_strikes", 2)]
+
+
+class ApiServer(Server):
+    """The public gRPC server: health, reflection and drain as every server (services/grpc_server.Server),
+    with the public port's limits (`--api-max-message-mb`, `--api-max-concurrent-rpcs`, keepalive and ping
+    policing), the bearer-token check before any request is read (coordinator/api.ApiTokenInterceptor),
+    and health that tells the truth: "" and specpipe.v1.Generation are SERVING only while the pipeline
+    serves (followed every HEALTH_POLL_S), LIVENESS_SERVICE while the process runs."""
+
+    def __init__(self, config: CoordinatorConfig, coordinator: Coordinator) -> None:
+        max_message = config.api_max_message_mb * MiB
+        super().__init__([SERVICE_NAME], max_message)
+        # Server built its grpc.aio server with the stage hops' options; the public port gets its own
+        # (services/grpc_server.Server takes neither options nor maximum_concurrent_rpcs)
+        auth = [ApiTokenInterceptor(config.api_token)] if config.api_token else []
+        self.server = grpc.aio.server(options=api_server_options(max_message),
+                                      interceptors=[*auth, MalformedRequestInterceptor()],
+                                      maximum_concurrent_rpcs=config.api_max_concurrent_rpcs)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME],
+                                            self.server)
+        self.coordinator = coordinator
+        self.serving: bool | None = None        # what health reports now (None: not started)
+        self._follower: asyncio.Task | None = None
+
+    def bind_health(self, host: str, port: int) -> int:
+        """grpc.health.v1 alone, in plaintext, on host:port (see Server.bind_health), with the public
+        port's ping policing and its own small limits, so that probes reach it however busy the API is."""
+        self._health_server = grpc.aio.server(options=api_server_options(64 * 1024), maximum_concurrent_rpcs=64)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+        self.health_port = self._health_server.add_insecure_port(f"{host}:{port}")
+        if self.health_port == 0:
+            raise OSError(f"cannot bind the health port {host}:{port}")
+        return self.health_port
+
+    async def start(self) -> None:
+        await super().start()
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        await self.report()
+        self._follower = asyncio.create_task(self._follow())
+
+    async def stop(self, grace_s: float) -> None:
+        if self._follower is not None:
+            self._follower.cancel()
+            await asyncio.gather(self._follower, return_exceptions=True)
+        await super().stop(grace_s)
+
+    async def report(self) -> bool:
+        """Set the readiness statuses from the coordinator's state now; returns it."""
+        ok, why = serving_state(self.coordinator)
+        if ok != self.serving:
+            if self.serving is not None:
+                log.info("health", serving=ok, reason=why)
+            status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+            for name in ("", SERVICE_NAME):
+                await self.health.set(name, status)
+            self.serving = ok
+        return ok
+
+    async def _follow(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_POLL_S)
+            try:
+                await self.report()
+            except Exception:           # noqa: BLE001 - keep following; a bug here must not freeze health
+                log.exception("health update failed")
+
+
+async def start(config: CoordinatorConfig) -> tuple[ApiServer, Coordinator]:
     coordinator = await Coordinator.connect(config)
-    interceptors = [BearerTokenInterceptor(config.api_token)] if config.api_token else []
-    server = Server([SERVICE_NAME], config.max_message_mb * MiB, interceptors)
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(coordinator), server.server)
+    server = ApiServer(config, coordinator)
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(coordinator, config.api_token),
+                                                         server.server)
     server.bind(config.host, config.port, TLSFiles(config.api_tls_cert, config.api_tls_key).server_credentials())
     if config.health_port:
         server.bind_health(config.host, config.health_port)
@@ -35,15 +126,16 @@ async def start_http(config: CoordinatorConfig, coordinator: Coordinator, port: 
                      model_name: str = "") -> OpenAIServer:
     """The OpenAI-compatible HTTP API (coordinator/openai_api.py) on config.host, port `port` (default
     config.http_port; 0 = a free one, for tests; the bound port is `.port`), with the gRPC API's TLS
-    certificate and bearer token. Stop it with `await http.stop()` before closing the coordinator."""
+    certificate, bearer token and message limit (`--api-max-message-mb`; headers and body within
+    `--http-timeout-s`). Stop it with `await http.stop()` before closing the coordinator."""
     tls = (config.api_tls_cert, config.api_tls_key) if config.api_tls_cert else None
-    http = OpenAIServer(coordinator, model_name=model_name, token=config.api_token, tls=tls, grace_s=config.grace_s)
+    http = OpenAIServer(coordinator, model_name=model_name, token=config.api_token, tls=tls, grace_s=config.grace_s,
+                        max_body_bytes=config.api_max_message_mb * MiB, timeout_s=config.http_timeout_s)
     await http.start(config.host, config.http_port if port is None else port)
     return http
 
 
 async def serve(config: CoordinatorConfig, port_file: str = "") -> None:
-    log = get_logger("specpipe.coordinator")
     server, coordinator = await start(config)
     http = await start_http(config, coordinator) if config.http_port else None
 
