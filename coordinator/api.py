@@ -76,7 +76,7 @@ class ApiTokenInterceptor(grpc.aio.ServerInterceptor):
     token). The check reads the call's metadata only: a call without the token gets a handler that answers
     UNAUTHENTICATED without reading its request at all (a streaming-request handler that never iterates),
     so an unauthenticated body is never received in full, never parsed, and the message size limit does
-    not even come into play. (services/tls.BearerTokenInterceptor refuses only after parsing the request.)"""
+    not even come into play."""
 
     EXEMPT = ("/grpc.health.v1.Health/",)
 

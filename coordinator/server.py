@@ -5,15 +5,12 @@ import argparse
 import asyncio
 import os
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 
 from protos import generation_pb2, generation_pb2_grpc
 from services.config import MiB
 from services.grpc_server import Server
 from services.logs import configure, get_logger
-from services.malformed import MalformedRequestInterceptor
 from services.tls import TLSFiles
 
 from coordinator.api import ApiTokenInterceptor, GenerationServicer, serving_state
@@ -53,29 +50,13 @@ class ApiServer(Server):
 
     def __init__(self, config: CoordinatorConfig, coordinator: Coordinator) -> None:
         max_message = config.api_max_message_mb * MiB
-        super().__init__([SERVICE_NAME], max_message)
-        # Server built its grpc.aio server with the stage hops' options; the public port gets its own
-        # (services/grpc_server.Server takes neither options nor maximum_concurrent_rpcs)
         auth = [ApiTokenInterceptor(config.api_token)] if config.api_token else []
-        self.server = grpc.aio.server(options=api_server_options(max_message),
-                                      interceptors=[*auth, MalformedRequestInterceptor()],
-                                      maximum_concurrent_rpcs=config.api_max_concurrent_rpcs)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME],
-                                            self.server)
+        super().__init__([SERVICE_NAME], max_message, interceptors=auth, options=api_server_options(max_message),
+                         maximum_concurrent_rpcs=config.api_max_concurrent_rpcs,
+                         health_options=api_server_options(64 * 1024), health_max_rpcs=64)
         self.coordinator = coordinator
         self.serving: bool | None = None        # what health reports now (None: not started)
         self._follower: asyncio.Task | None = None
-
-    def bind_health(self, host: str, port: int) -> int:
-        """grpc.health.v1 alone, in plaintext, on host:port (see Server.bind_health), with the public
-        port's ping policing and its own small limits, so that probes reach it however busy the API is."""
-        self._health_server = grpc.aio.server(options=api_server_options(64 * 1024), maximum_concurrent_rpcs=64)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
-        self.health_port = self._health_server.add_insecure_port(f"{host}:{port}")
-        if self.health_port == 0:
-            raise OSError(f"cannot bind the health port {host}:{port}")
-        return self.health_port
 
     async def start(self) -> None:
         await super().start()

@@ -36,10 +36,18 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
 class Server:
     """A grpc.aio server with health (grpc.health.v1) and reflection for the given service names."""
 
-    def __init__(self, service_names: list[str], max_message_bytes: int, interceptors=()) -> None:
+    def __init__(self, service_names: list[str], max_message_bytes: int, interceptors=(),
+                 options: list[tuple[str, int]] | None = None, maximum_concurrent_rpcs: int | None = None,
+                 health_options: list[tuple[str, int]] | None = None,
+                 health_max_rpcs: int | None = None) -> None:
+        """`options` default to `server_options(max_message_bytes)` (the stage hops'); the public API passes
+        its own, with `maximum_concurrent_rpcs`; `health_*` are those of the plaintext health port."""
         # undecodable request bytes: INVALID_ARGUMENT, not grpc.aio's UNKNOWN (after any auth check)
-        self.server = grpc.aio.server(options=server_options(max_message_bytes),
-                                      interceptors=[*interceptors, MalformedRequestInterceptor()])
+        self.server = grpc.aio.server(options=options or server_options(max_message_bytes),
+                                      interceptors=[*interceptors, MalformedRequestInterceptor()],
+                                      maximum_concurrent_rpcs=maximum_concurrent_rpcs)
+        self._health_options = health_options or server_options(64 * 1024)
+        self._health_max_rpcs = health_max_rpcs
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = service_names
@@ -53,7 +61,8 @@ class Server:
         """Also serve grpc.health.v1 alone, in plaintext, on host:port: for probes that cannot speak TLS
         (the kubelet's gRPC probes) when the main port requires (mutual) TLS. It reports what the main
         server reports."""
-        self._health_server = grpc.aio.server(options=server_options(64 * 1024))
+        self._health_server = grpc.aio.server(options=self._health_options,
+                                              maximum_concurrent_rpcs=self._health_max_rpcs)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
         self.health_port = self._health_server.add_insecure_port(f"{host}:{port}")
         if self.health_port == 0:

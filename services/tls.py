@@ -16,7 +16,6 @@ stage's name (`PeerNames`); Info and health from any peer with a certificate fro
 """
 from __future__ import annotations
 
-import hmac
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,46 +142,3 @@ async def require_peer(context: grpc.aio.ServicerContext, rpc: str, policy: Peer
     await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                         f"{rpc} is accepted only from {' or '.join(sorted(allowed))}; the peer's certificate "
                         f"names {', '.join(seen) if seen else 'no one'} (peer {context.peer()})")
-
-
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Requires `authorization: Bearer <token>` on every call except health checks (kubelet probes send
-    no token); others get UNAUTHENTICATED."""
-
-    EXEMPT = ("/grpc.health.v1.Health/",)
-
-    def __init__(self, token: str) -> None:
-        if not token:
-            raise ValueError("an empty bearer token would admit anyone")
-        self._expected = f"Bearer {token}".encode()
-
-    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
-        handler = await continuation(details)
-        if handler is None or details.method.startswith(self.EXEMPT):
-            return handler
-        got = dict(details.invocation_metadata or ()).get("authorization", "")
-        got = got.encode() if isinstance(got, str) else got
-        if hmac.compare_digest(got, self._expected):
-            return handler
-        return _deny(handler)
-
-
-async def _abort(context) -> None:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token "
-                        "(send metadata 'authorization: Bearer <token>')")
-
-
-def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    async def unary(request, context):
-        await _abort(context)
-
-    async def stream(request_or_iterator, context):
-        await _abort(context)
-        yield  # pragma: no cover - never reached, makes this an async generator
-
-    kind = (handler.request_streaming, handler.response_streaming)
-    make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
-    fn = stream if handler.response_streaming else unary
-    return make[kind](fn, request_deserializer=handler.request_deserializer,
-                      response_serializer=handler.response_serializer)
