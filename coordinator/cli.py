@@ -347,9 +347,8 @@ async def cmd_bench(args: argparse.Namespace) -> int:
                          "it (real runs time the draft as it runs)")
     cfg = config_from_args(args)
     cfg.model = await asyncio.to_thread(resolve_with_progress, cfg.model)
-    if args.simulate and (cfg.load or cfg.temperature or cfg.verifies):
-        raise ValueError("--simulate runs one greedy request at a time; drop --concurrency, --temperature "
-                         "and --verifies, or --simulate")
+    if args.simulate and (cfg.temperature or cfg.verifies):
+        raise ValueError("--simulate runs greedy requests; drop --temperature and --verifies, or --simulate")
     if args.simulate:
         from coordinator.bench import write_results
         from coordinator.bench_sim import run_simulated

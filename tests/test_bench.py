@@ -7,6 +7,7 @@ import json
 import pytest
 
 from coordinator.bench import BenchConfig, load_prompts, percentile, run_bench, table
+from reference import hf_greedy
 
 REQUIRED = {"method", "stages", "concurrency", "tbt_ms_mean", "tbt_ms_p50", "tbt_ms_p90", "ttft_ms_mean",
             "tokens_per_step", "hit_rate", "throughput_tok_s", "steps", "tokens", "wall_s"}
@@ -123,3 +124,44 @@ def test_specpipe_sweeps_topk_and_draft_rounds_and_rows_split_the_steps():
     assert row["decode_tokens_per_step"] == pytest.approx((10 + 20) / (10 + 30))
     assert row["tokens_per_step"] == pytest.approx(32 / 50)
     assert (row["lag_steps"], row["refill_steps"], row["warm_restarts"]) == (3.0, 3.0, 0.5)
+
+
+def test_the_simulated_clock_runs_a_closed_loop_of_clients(tiny_model8, tiny_hf8):
+    """`clients` = c: c requests at time 0, each later one arriving when an earlier one finishes (pp, S=2,
+    a=10 ms, hop 0.3 ms: one request of 2 tokens takes 2 trips of 2 * 10 + 3 * 0.3 = 20.9 ms)."""
+    from coordinator.drivers.simulated import SimulatedPipeline
+    from coordinator.schedulers.pp import PPScheduler
+    from coordinator.schedulers.base import Request
+    from services.model.shard import load_shard
+    from services.runner import StageRunner
+    runner = StageRunner(load_shard(str(tiny_model8), 0, None, __import__("torch").float32, "cpu"), 0)
+    reqs = [Request(f"r{i}", [5 + i, 6, 7], 2) for i in range(4)]
+    out = SimulatedPipeline([runner], (10.0, 0.0), num_stages=2, hop_ms=0.3).run(PPScheduler(2), reqs, clients=1)
+    for i, r in enumerate(reqs):
+        o = out[r.request_id]
+        assert o.tokens == hf_greedy(tiny_hf8, r.prompt_ids, 2)
+        assert o.end_ms - o.start_ms == pytest.approx(2 * 20.9)
+        if i:
+            assert o.start_ms == pytest.approx(out[reqs[i - 1].request_id].end_ms)     # one after another
+    runner2 = StageRunner(load_shard(str(tiny_model8), 0, None, __import__("torch").float32, "cpu"), 0)
+    two = SimulatedPipeline([runner2], (10.0, 0.0), num_stages=2, hop_ms=0.3).run(PPScheduler(2), reqs, clients=2)
+    starts = sorted(o.start_ms for o in two.values())
+    ends = sorted(o.end_ms for o in two.values())
+    assert starts[:2] == [0.0, 0.0] and starts[2] == pytest.approx(ends[0]) and starts[3] == pytest.approx(ends[1])
+
+
+def test_simulated_concurrency_sweep_rows(tiny_model8, tmp_path):
+    from coordinator.bench_sim import run_simulated
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt_token_ids": p}) for p in ([5, 6, 7], [9, 9], [3, 4, 5, 6])))
+    cfg = BenchConfig(stages=[4], methods=["cb-pp", "specpipe"], widths=[4], policies=["hybrid"],
+                      stage_time_ms="10+0.5", max_new_tokens=6, prompts=str(prompts), num_prompts=0,
+                      out=str(tmp_path / "o"), model=str(tiny_model8), draft="quant", concurrency=[1, 3], rounds=2)
+    rows = run_simulated(cfg, log=lambda m: None)["rows"]
+    assert [(r["concurrency"], r["method"]) for r in rows] == [(1, "cb-pp"), (1, "specpipe"), (3, "cb-pp"),
+                                                                (3, "specpipe")]
+    for r in rows:
+        assert r["requests"] == 2 * r["concurrency"] and r["tokens"] == 6 * r["requests"]
+        assert r["throughput_tok_s"] > 0 and r["ttft_ms_p90"] >= r["ttft_ms_p50"] > 0 and r["simulated"] is True
+    by = {(r["concurrency"], r["method"]): r for r in rows}
+    assert by[(3, "cb-pp")]["throughput_tok_s"] > by[(1, "cb-pp")]["throughput_tok_s"]   # batching pays

@@ -74,9 +74,12 @@ class SimulatedPipeline:
         per_call, per_row = self.draft_time
         return per_call * (after[1] - before[1]) + per_row * (after[2] - before[2])
 
-    def run(self, scheduler: Scheduler, requests: list[Request], draft=None) -> dict[str, SimOutcome]:
-        """Run requests (all arriving at time 0, in order) to completion on the simulated clock. `draft` is
-        the scheduler's draft source, whose work is charged to the coordinator by `draft_time`."""
+    def run(self, scheduler: Scheduler, requests: list[Request], draft=None,
+            clients: int | None = None) -> dict[str, SimOutcome]:
+        """Run requests to completion on the simulated clock: all arriving at time 0, in order, or with
+        `clients` = c a closed loop — c requests at time 0, and each time one finishes the next in order
+        arrives (c clients sending one request after another). `draft` is the scheduler's draft source,
+        whose work is charged to the coordinator by `draft_time`."""
         S = self.num_stages
         events: list = []
         seq = itertools.count()
@@ -86,6 +89,8 @@ class SimulatedPipeline:
         out = {r.request_id: SimOutcome() for r in requests}
         live = set(out)
         self.draft_ms = 0.0
+        waiting = deque(requests[clients:] if clients else [])
+        arrivals: list[float] = []          # finish times at which the next waiting request arrives
 
         def push(t: float, kind: str, payload) -> None:
             heapq.heappush(events, (t, next(seq), kind, payload))
@@ -105,6 +110,8 @@ class SimulatedPipeline:
                     o = out[action.request_id]
                     o.reason, o.stats, o.end_ms = action.reason, action.stats, t
                     live.discard(action.request_id)
+                    if waiting:
+                        arrivals.append(t)
 
         def handle(t: float, fn, *args) -> float:
             """The coordinator handles one event at t; returns when it is free again."""
@@ -119,8 +126,15 @@ class SimulatedPipeline:
                 dispatch(t)
             return t
 
-        for r in requests:
+        def admit(t: float) -> None:
+            while arrivals:
+                arrivals.pop()
+                push(t, "submit", waiting.popleft())
+
+        for r in (requests[:clients] if clients else requests):
+            out[r.request_id].start_ms = coord_free
             coord_free = handle(coord_free, scheduler.add, r)
+        admit(coord_free)
         def start(i: int, t: float) -> None:
             """Stage i takes its next micro-batch at t; rows pruned by then are dropped, as on a real stage."""
             busy[i] = True
@@ -147,6 +161,11 @@ class SimulatedPipeline:
                     start(i, t)
             elif kind == "result":
                 coord_free = handle(max(t, coord_free), scheduler.on_result, payload)
+                admit(coord_free)
+            elif kind == "submit":
+                out[payload.request_id].start_ms = t
+                coord_free = handle(max(t, coord_free), scheduler.add, payload)
+                admit(coord_free)
         if live:
             raise RuntimeError(f"simulation ended with requests still running: {sorted(live)}")
         return out
