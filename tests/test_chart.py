@@ -84,13 +84,18 @@ def test_default_objects():
     svc = [s for s in by_kind(objs, "Service") if s["metadata"]["name"] == "rel-specpipe-stage"][0]
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
     api = [s for s in by_kind(objs, "Service") if s["metadata"]["name"] == "rel-specpipe-coordinator"][0]
-    assert {p["name"]: p["port"] for p in api["spec"]["ports"]} == {"grpc": 50051, "http": 8000, "metrics": 9090}
+    # the public API only: metrics have their own ClusterIP Service (never behind a LoadBalancer)
+    assert {p["name"]: p["port"] for p in api["spec"]["ports"]} == {"grpc": 50051, "http": 8000}
+    metrics = [s for s in by_kind(objs, "Service") if s["metadata"]["name"] == "rel-specpipe-coordinator-metrics"][0]
+    assert metrics["spec"]["type"] == "ClusterIP" and [p["port"] for p in metrics["spec"]["ports"]] == [9090]
     assert dep["spec"]["replicas"] == 1
     assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "rel-specpipe"
     role = one(objs, "Role")
     assert role["rules"][0]["resources"] == ["statefulsets"] and "watch" in role["rules"][0]["verbs"]
     assert one(objs, "RoleBinding")["subjects"][0]["namespace"] == "ml"
-    assert one(objs, "PodDisruptionBudget")["spec"]["maxUnavailable"] == 0
+    assert one(objs, "PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
+    assert one(render("podDisruptionBudget.maxUnavailable=0"), "PodDisruptionBudget")["spec"]["maxUnavailable"] == 0
+    assert one(render("podDisruptionBudget.maxUnavailable=25%"), "PodDisruptionBudget")["spec"]["maxUnavailable"] == "25%"
     hook = one(objs, "Pod")
     assert hook["metadata"]["annotations"]["helm.sh/hook"] == "test" and hook["spec"]["containers"][0]["args"][0] == "generate"
 
@@ -99,7 +104,7 @@ def test_network_policies_chain_the_stages():
     objs = render("stages.replicas=3")
     pols = {p["metadata"]["name"]: p for p in by_kind(objs, "NetworkPolicy")}
     assert set(pols) == {"rel-specpipe-stage-0", "rel-specpipe-stage-1", "rel-specpipe-stage-2",
-                         "rel-specpipe-stage-scaled"}
+                         "rel-specpipe-stage-scaled", "rel-specpipe-coordinator"}
     def sources(name):
         return [f["podSelector"]["matchLabels"] for f in pols[name]["spec"]["ingress"][0]["from"]]
     assert [s["app.kubernetes.io/component"] for s in sources("rel-specpipe-stage-0")] == ["coordinator"]

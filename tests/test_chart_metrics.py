@@ -40,12 +40,22 @@ def test_every_pod_serves_metrics_on_a_named_port_by_default():
     objs = render()
     stage, coord = container(one(objs, "StatefulSet")), container(one(objs, "Deployment"))
     assert named_ports(stage["ports"]) == {"grpc": 50061, "metrics": 9090}
-    assert named_ports(coord["ports"]) == {"grpc": 50051, "http": 8000, "metrics": 9090}
+    assert named_ports(coord["ports"]) == {"grpc": 50051, "http": 8000, "metrics": 9090, "health": 50070}
     assert "--metrics-port=9090" in stage["args"] and "--metrics-port=9090" in coord["args"]
     services = {s["metadata"]["name"]: s for s in by_kind(objs, "Service")}
-    for name in ("rel-specpipe-stage", "rel-specpipe-coordinator"):
+    for name in ("rel-specpipe-stage", "rel-specpipe-coordinator-metrics"):
         metrics = [p for p in services[name]["spec"]["ports"] if p["name"] == "metrics"]
         assert metrics == [{"name": "metrics", "port": 9090, "targetPort": "metrics", "protocol": "TCP"}]
+    # the public API's Service never carries metrics (a LoadBalancer would expose them)
+    assert "metrics" not in {p["name"] for p in services["rel-specpipe-coordinator"]["spec"]["ports"]}
+    for svc_type in ("LoadBalancer", "NodePort"):
+        exposed = [s for s in by_kind(render(f"coordinator.service.type={svc_type}"), "Service")
+                   if s["spec"].get("type") == svc_type]
+        assert [s["metadata"]["name"] for s in exposed] == ["rel-specpipe-coordinator"]
+        assert {p["name"] for p in exposed[0]["spec"]["ports"]} == {"grpc", "http"}
+    assert services["rel-specpipe-coordinator-metrics"]["spec"]["type"] == "ClusterIP"
+    assert services["rel-specpipe-coordinator-metrics"]["spec"]["selector"] == \
+        services["rel-specpipe-coordinator"]["spec"]["selector"]
 
 
 def test_rendered_stage_arguments_turn_metrics_on_in_our_cli(monkeypatch):
@@ -70,11 +80,17 @@ def test_service_monitor_scrapes_the_coordinator_and_every_stage():
             kubernetes_validate.validate(o, K8S_VERSION, strict=True)
     monitor = one(objs, "ServiceMonitor")
     selected = [s for s in by_kind(objs, "Service") if selects(monitor["spec"]["selector"], s["metadata"]["labels"])]
-    assert sorted(s["metadata"]["name"] for s in selected) == ["rel-specpipe-coordinator", "rel-specpipe-stage"]
+    assert sorted(s["metadata"]["name"] for s in selected) == ["rel-specpipe-coordinator-metrics", "rel-specpipe-stage"]
     [endpoint] = monitor["spec"]["endpoints"]
     ports = {s["metadata"]["name"]: {p["name"]: p["port"] for p in s["spec"]["ports"]} for s in selected}
     assert ports["rel-specpipe-stage"][endpoint["port"]] == 9400
-    assert ports["rel-specpipe-coordinator"][endpoint["port"]] == 9500
+    assert ports["rel-specpipe-coordinator-metrics"][endpoint["port"]] == 9500
+    # the coordinator's metrics Service selects the coordinator pod, whose port of that name serves metrics
+    coord = container(one(objs, "Deployment"))
+    [metrics_svc] = [s for s in selected if s["metadata"]["name"] == "rel-specpipe-coordinator-metrics"]
+    assert selects({"matchLabels": metrics_svc["spec"]["selector"]},
+                   one(objs, "Deployment")["spec"]["template"]["metadata"]["labels"])
+    assert named_ports(coord["ports"])["metrics"] == 9500 and "--metrics-port=9500" in coord["args"]
     # the stage Service selects the stage pods, whose container port of that name is the one they serve on
     stage = container(one(objs, "StatefulSet"))
     assert named_ports(stage["ports"])["metrics"] == 9400 and "--metrics-port=9400" in stage["args"]
@@ -82,7 +98,7 @@ def test_service_monitor_scrapes_the_coordinator_and_every_stage():
 
 def test_network_policies_let_the_scrape_reach_every_stage():
     objs = render(*MONITORED)
-    policies = by_kind(objs, "NetworkPolicy")
+    policies = [p for p in by_kind(objs, "NetworkPolicy") if p["metadata"]["name"] != "rel-specpipe-coordinator"]
     assert len(policies) == 4                              # stages 0..2 and the scaled ones
     for pol in policies:
         rules = pol["spec"]["ingress"]
@@ -92,6 +108,13 @@ def test_network_policies_let_the_scrape_reach_every_stage():
         assert scrape == [{"ports": [{"port": 9400, "protocol": "TCP"}],
                            "from": [{"namespaceSelector": {"matchLabels": {
                                "kubernetes.io/metadata.name": "monitoring"}}}]}], pol["metadata"]["name"]
+    # the coordinator's metrics port: from metricsFrom as well, and not part of its API rule
+    [coord] = [p for p in by_kind(objs, "NetworkPolicy") if p["metadata"]["name"] == "rel-specpipe-coordinator"]
+    scrape = [r for r in coord["spec"]["ingress"] if r["ports"] == [{"port": 9500, "protocol": "TCP"}]]
+    assert scrape == [{"ports": [{"port": 9500, "protocol": "TCP"}],
+                       "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]}]
+    assert not [r for r in coord["spec"]["ingress"] if r is not scrape[0]
+                and {"port": 9500, "protocol": "TCP"} in r["ports"]]
     # without metricsFrom, any pod may scrape (a rule with ports and no `from`)
     for pol in by_kind(render("stages.replicas=2"), "NetworkPolicy"):
         assert {"ports": [{"port": 9090, "protocol": "TCP"}]} in pol["spec"]["ingress"]
@@ -106,7 +129,11 @@ def test_metrics_disabled_leaves_no_port_argument_or_rule():
     for svc in by_kind(objs, "Service"):
         assert "metrics" not in {p["name"] for p in svc["spec"]["ports"]}
     for pol in by_kind(objs, "NetworkPolicy"):
-        assert len(pol["spec"]["ingress"]) == 1
+        if pol["metadata"]["name"] == "rel-specpipe-coordinator":          # its API and its health port
+            assert [r["ports"][0]["port"] for r in pol["spec"]["ingress"]] == [50051, 50070]
+        else:
+            assert len(pol["spec"]["ingress"]) == 1
+    assert "rel-specpipe-coordinator-metrics" not in {s["metadata"]["name"] for s in by_kind(objs, "Service")}
 
 
 @pytest.mark.parametrize("sets, message", [

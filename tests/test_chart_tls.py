@@ -70,8 +70,12 @@ def test_tls_reaches_every_pod_and_probes_use_the_health_port():
     env = {e["name"]: e for e in coord["env"]}
     assert env["SPECPIPE_API_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "api-token", "key": "token"}
     test_pod = one(objs, "Pod")["spec"]["containers"][0]
-    assert "--tls-ca=/etc/specpipe/api-tls/ca.crt" in test_pod["args"]
-    assert test_pod["env"][0]["valueFrom"]["secretKeyRef"]["name"] == "api-token"
+    assert "--tls-ca=/etc/specpipe/api-ca/ca.crt" in test_pod["args"] and "--insecure" not in test_pod["args"]
+    test_env = {e["name"]: e for e in test_pod["env"]}
+    assert test_env["SPECPIPE_API_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "api-token"
+    [ca] = [v for v in one(objs, "Pod")["spec"]["volumes"] if "secret" in v]
+    assert ca["secret"] == {"secretName": "api-cert", "items": [{"key": "ca.crt", "path": "ca.crt"}]}, \
+        "the test pod mounts the CA alone, not the API's private key"
     for policy in by_kind(objs, "NetworkPolicy"):
         ports = [p["port"] for rule in policy["spec"]["ingress"] for p in rule.get("ports", [])]
         assert 50070 in ports, "the kubelet must reach the health port"

@@ -20,8 +20,14 @@
 {{- printf "%s-stage" (include "specpipe.fullname" .) -}}
 {{- end -}}
 
+{{/* At most 63 characters (a Service name), also for a long release name. */}}
 {{- define "specpipe.coordinatorName" -}}
-{{- printf "%s-coordinator" (include "specpipe.fullname" .) -}}
+{{- printf "%s-coordinator" (include "specpipe.fullname" . | trunc 51 | trimSuffix "-") -}}
+{{- end -}}
+
+{{/* The coordinator's metrics Service: apart from the public API's, so a LoadBalancer never exposes it. */}}
+{{- define "specpipe.metricsServiceName" -}}
+{{- printf "%s-metrics" (include "specpipe.coordinatorName" . | trunc 55 | trimSuffix "-") -}}
 {{- end -}}
 
 {{- define "specpipe.serviceAccountName" -}}
@@ -60,13 +66,22 @@ app.kubernetes.io/component: {{ .component }}
 {{/* The --model argument every pod passes. */}}
 {{- define "specpipe.modelRef" -}}
 {{- $m := .Values.model -}}
-{{- if eq $m.source "hub" -}}{{ $m.hub.id }}
+{{- if eq $m.source "hub" -}}{{ required "model.hub.id is required with model.source=hub (a Hugging Face hub id, e.g. meta-llama/Llama-3.1-8B-Instruct)" $m.hub.id }}
 {{- else if eq $m.source "default" -}}default
 {{- else -}}{{ trimSuffix "/" (printf "%s/%s" $m.mountPath $m.path) }}
 {{- end -}}
 {{- end -}}
 
-{{/* Volumes: the model (pvc or hostPath) and a cache (hub downloads, the converted default model). */}}
+{{/* The --draft-model argument (draft: model): a folder in the model volume (pvc, hostPath), else a hub id. */}}
+{{- define "specpipe.draftModelRef" -}}
+{{- $c := .Values.coordinator -}}
+{{- if has .Values.model.source (list "pvc" "hostPath") -}}{{ printf "%s/%s" .Values.model.mountPath $c.draftModelPath }}
+{{- else -}}{{ $c.draftModelPath }}
+{{- end -}}
+{{- end -}}
+
+{{/* Volumes of every server pod: the model (pvc or hostPath) and /tmp (the root filesystem is read-only).
+     The cache volume is specpipe.cacheVolume (a stage may have it from a volumeClaimTemplate). */}}
 {{- define "specpipe.modelVolumes" -}}
 {{- $m := .Values.model -}}
 {{- if eq $m.source "pvc" }}
@@ -75,14 +90,29 @@ app.kubernetes.io/component: {{ .component }}
     claimName: {{ required "model.pvc.claimName is required with model.source=pvc" $m.pvc.claimName }}
     readOnly: true
 {{- else if eq $m.source "hostPath" }}
+# hostPath: refused by the baseline and restricted Pod Security Standards (helm/README.md)
 - name: model
   hostPath:
     path: {{ required "model.hostPath.path is required with model.source=hostPath" $m.hostPath.path }}
     type: Directory
 {{- end }}
-- name: cache
+- name: tmp
   emptyDir:
-    sizeLimit: {{ $m.hub.cacheSizeLimit }}
+    sizeLimit: {{ .Values.tmpSizeLimit }}
+{{- end -}}
+
+{{/* The cache volume (hub downloads in HF_HOME, the converted default model in SPECPIPE_CACHE): an existing
+     claim (model.hub.cache.claimName) or an emptyDir. */}}
+{{- define "specpipe.cacheVolume" -}}
+{{- $cache := .Values.model.hub.cache -}}
+- name: cache
+{{- if $cache.claimName }}
+  persistentVolumeClaim:
+    claimName: {{ $cache.claimName }}
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ $cache.sizeLimit }}
+{{- end }}
 {{- end -}}
 
 {{- define "specpipe.modelMounts" -}}
@@ -93,12 +123,16 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 - name: cache
   mountPath: /cache
+- name: tmp
+  mountPath: /tmp
 {{- end -}}
 
-{{/* Environment shared by every container: logs, caches, hub token. */}}
+{{/* Environment shared by every container: logs, HOME and caches (all on writable volumes), hub token. */}}
 {{- define "specpipe.commonEnv" -}}
 - name: SPECPIPE_LOG_FORMAT
   value: {{ .Values.logFormat | quote }}
+- name: HOME
+  value: /tmp
 - name: SPECPIPE_CACHE
   value: /cache/specpipe
 - name: HF_HOME
@@ -109,6 +143,58 @@ app.kubernetes.io/component: {{ .component }}
     secretKeyRef:
       name: {{ .Values.model.hub.tokenSecret.name }}
       key: {{ .Values.model.hub.tokenSecret.key }}
+{{- end }}
+{{- end -}}
+
+{{/* Labels of a workload's pods: the chart's (which win) and podLabels: call with (dict "ctx" $ "component" C
+     "extra" PODLABELS) */}}
+{{- define "specpipe.podLabels" -}}
+{{- $own := fromYaml (include "specpipe.labels" .ctx) -}}
+{{- $_ := set $own "app.kubernetes.io/component" .component -}}
+{{- toYaml (mergeOverwrite (deepCopy (default dict .extra)) $own) -}}
+{{- end -}}
+
+{{/* A securityContext: the chart-wide one with a workload's override merged over it (call with
+     (dict "base" .Values.podSecurityContext "override" $c.podSecurityContext)); the defaults meet the
+     restricted Pod Security Standard. */}}
+{{- define "specpipe.securityContext" -}}
+{{- toYaml (mergeOverwrite (deepCopy (default dict .base)) (deepCopy (default dict .override))) -}}
+{{- end -}}
+
+{{/* Scheduling and runtime fields of a pod spec: call with (dict "w" .Values.stages "ctx" $ "component" C) */}}
+{{- define "specpipe.podScheduling" -}}
+{{- with .w.runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with .w.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .w.schedulerName }}
+schedulerName: {{ . }}
+{{- end }}
+{{- with .w.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .w.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .w.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- if .w.topologySpreadConstraints }}
+{{- $selector := dict "matchLabels" (fromYaml (include "specpipe.selectorLabels" (dict "ctx" .ctx "component" .component))) }}
+{{- $spread := list }}
+{{- range .w.topologySpreadConstraints }}
+{{- /* a constraint without labelSelector spreads this workload's own pods */}}
+{{- $t := deepCopy . }}
+{{- if not (hasKey $t "labelSelector") }}{{ $_ := set $t "labelSelector" $selector }}{{ end }}
+{{- $spread = append $spread $t }}
+{{- end }}
+topologySpreadConstraints:
+  {{- toYaml $spread | nindent 2 }}
 {{- end }}
 {{- end -}}
 
@@ -123,13 +209,14 @@ app.kubernetes.io/component: {{ .component }}
 {{- toYaml $r -}}
 {{- end -}}
 
-{{/* NetworkPolicy ingress rule of a stage's metrics port: from networkPolicy.metricsFrom, or any pod. */}}
+{{/* NetworkPolicy ingress rule of a metrics port: from networkPolicy.metricsFrom, or any pod.
+     Call with (dict "ctx" $ "port" P) */}}
 {{- define "specpipe.metricsIngress" -}}
-{{- if .Values.metrics.enabled -}}
+{{- if .ctx.Values.metrics.enabled -}}
 - ports:
-    - port: {{ .Values.stages.metricsPort }}
+    - port: {{ .port }}
       protocol: TCP
-  {{- with .Values.networkPolicy.metricsFrom }}
+  {{- with .ctx.Values.networkPolicy.metricsFrom }}
   from:
     {{- toYaml . | nindent 4 }}
   {{- end }}
