@@ -67,6 +67,8 @@ class CoordinatorConfig:
     max_per_client: int = 0              # running + queued requests per client (API token or peer; 0 = no limit)
     batch_timeout_s: float = 0.0         # a micro-batch not back within this is a pipeline failure (0 = derived)
     drain_timeout_s: float = 30.0        # a re-partition drains at most this long, then moves what still runs
+    served_model_name: tuple[str, ...] = ()  # model ids the OpenAI API answers to (none: from --model)
+    generation_config: str = "auto"      # OpenAI sampling defaults: auto (the model's) | none | FOLDER
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -104,6 +106,10 @@ class CoordinatorConfig:
             raise ValueError("max_per_client, batch_timeout_s and drain_timeout_s must be 0 or more")
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_cap:
             raise ValueError("default_max_new_tokens must be in [1, max_new_tokens_cap]")
+        if any(not n or n != n.strip() or "," in n or len(n) > 256 for n in self.served_model_name):
+            raise ValueError("served model names must be non-empty, without commas or surrounding spaces")
+        if not self.generation_config:
+            raise ValueError("generation_config must be auto, none or a folder")
 
     @property
     def tls(self) -> TLSFiles:
@@ -138,6 +144,15 @@ class CoordinatorConfig:
         p.add_argument("--metrics-port", type=int, default=int(os.environ.get("SPECPIPE_METRICS_PORT", "0")),
                        help="serve Prometheus metrics on this port (0 = off)")
         p.add_argument("--model", default=os.environ.get("SPECPIPE_MODEL", cls.model))
+        p.add_argument("--served-model-name", action="extend", nargs="+", default=None, metavar="NAME",
+                       help="model id(s) the OpenAI API serves and lists, comma-separated or several "
+                            "(default: --model: a hub id as given, a folder's name, 'default'; env "
+                            "SPECPIPE_SERVED_MODEL_NAME)")
+        p.add_argument("--generation-config",
+                       default=os.environ.get("SPECPIPE_GENERATION_CONFIG", cls.generation_config),
+                       help="OpenAI API sampling defaults (temperature, top_p, top_k, max_tokens) for "
+                            "fields a request leaves unset: auto (the model's generation_config.json), "
+                            "none (temperature 1, top_p 1), or a folder with a generation_config.json")
         p.add_argument("--host", default=os.environ.get("SPECPIPE_HOST", cls.host))
         p.add_argument("--port", type=int, default=int(os.environ.get("SPECPIPE_PORT", cls.port)))
         p.add_argument("--method", default=os.environ.get("SPECPIPE_METHOD", cls.method),
@@ -196,13 +211,26 @@ class CoordinatorConfig:
                    probe_timeout_s=a.probe_timeout_s, max_active=a.max_active, max_queue=a.max_queue,
                    api_max_message_mb=a.api_max_message_mb, api_max_concurrent_rpcs=a.api_max_concurrent_rpcs,
                    http_timeout_s=a.http_timeout_s, max_per_client=a.max_per_client,
-                   batch_timeout_s=a.batch_timeout_s, drain_timeout_s=a.drain_timeout_s, **spec_kwargs(a))
+                   batch_timeout_s=a.batch_timeout_s, drain_timeout_s=a.drain_timeout_s,
+                   served_model_name=served_names(a.served_model_name if a.served_model_name is not None
+                                                  else [os.environ.get("SPECPIPE_SERVED_MODEL_NAME", "")]),
+                   generation_config=a.generation_config, **spec_kwargs(a))
 
     @classmethod
     def from_env(cls) -> "CoordinatorConfig":
         p = argparse.ArgumentParser()
         cls.add_arguments(p)
         return cls.from_args(p.parse_args([]))
+
+
+def served_names(values: list[str]) -> tuple[str, ...]:
+    """--served-model-name values, each possibly comma-separated, in order, without repeats.
+
+    >>> served_names(["a,b", "c", "a"])
+    ('a', 'b', 'c')
+    """
+    names = (n.strip() for v in values for n in v.split(","))
+    return tuple(dict.fromkeys(n for n in names if n))
 
 
 def stage_addresses(spec: str, num_stages: int = 0) -> tuple[str, ...]:

@@ -20,6 +20,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.drafts.factory import build_draft
 from coordinator.drivers.grpc import GrpcPipeline
 from coordinator.engine import Engine, Finished
+from coordinator.generation_defaults import GenerationDefaults, load_generation_defaults
 from coordinator.metrics import RequestMetrics, track
 from coordinator.recovery import Recovery
 from coordinator.scaling import release_held
@@ -65,6 +66,9 @@ class GenerationFailed(RuntimeError):
 
 
 class Coordinator:
+    # the model's sampling defaults for the OpenAI API (generation_config.json; set by connect)
+    generation_defaults: GenerationDefaults = GenerationDefaults()
+
     def __init__(self, config: CoordinatorConfig, pipeline: GrpcPipeline, engine: Engine,
                  encoder: PromptEncoder, eos_ids: frozenset[int], limits: Limits) -> None:
         self.config, self.engine = config, engine
@@ -87,6 +91,7 @@ class Coordinator:
         pipeline = await _open(config, list(config.stages))
         info = pipeline.infos[0]
         tokenizer, eos_ids = await asyncio.to_thread(load_tokenizer, config.model)
+        defaults = await asyncio.to_thread(load_generation_defaults, config.model, config.generation_config)
         limits = Limits(info.vocab_size, info.max_position, config.default_max_new_tokens,
                         config.max_new_tokens_cap)
         torch.set_num_threads(config.draft_threads)
@@ -105,7 +110,9 @@ class Coordinator:
         await engine.start()
         log.info("coordinator connected", stages=len(config.stages), vocab=info.vocab_size,
                  context=info.max_position, tokenizer=tokenizer is not None, kv_slots=admission.kv_slots)
-        return cls(config, pipeline, engine, PromptEncoder(tokenizer), eos_ids, limits)
+        coordinator = cls(config, pipeline, engine, PromptEncoder(tokenizer), eos_ids, limits)
+        coordinator.generation_defaults = defaults
+        return coordinator
 
     async def close(self) -> None:
         self.closing = True

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import shutil
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -14,7 +15,7 @@ import openai
 import pytest
 
 from coordinator.config import CoordinatorConfig
-from coordinator.openai_schema import ApiError, parse_chat, parse_completion
+from coordinator.openai_schema import ApiError, ParseContext, parse_chat, parse_completion
 from coordinator.server import start, start_http
 from reference import byte_tokenizer, hf_greedy
 from stage_servers import stage_servers
@@ -259,21 +260,24 @@ async def test_a_client_hanging_up_cancels_the_generation(chat_model):
 
 # -- pure parsing and configuration ---------------------------------------------------------------------
 def test_parsing_maps_openai_fields_onto_generate_input():
+    ctx = ParseContext(("m",), context=64, cap=32, encode=lambda text, special: list(text.encode()))
     req = parse_completion({"model": "m", "prompt": [[1, 2]], "max_tokens": 5, "stop": "x", "seed": 3,
-                            "stream": True, "stream_options": {"include_usage": True}, "top_k": 4}, "m")
-    assert (req.inp.prompt_token_ids, req.inp.raw, req.inp.max_new_tokens, req.inp.stop) == ([1, 2], True, 5, ["x"])
+                            "stream": True, "stream_options": {"include_usage": True}, "top_k": 4}, ctx)
+    assert (req.inp.prompt_token_ids, req.inp.max_new_tokens, req.inp.stop) == ([1, 2], 5, ["x"])
     assert (req.inp.seed, req.inp.top_k, req.inp.temperature, req.stream, req.include_usage) == (3, 4, 1.0, True, True)
+    assert (req.model, req.prompt_tokens, req.continuous_usage) == ("m", 2, False)
     seen = []
+    chat = replace(ctx, render=lambda ms, opts: seen.extend(ms) or [1])
     req = parse_chat({"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
                                                                      {"type": "text", "text": "b"}]}],
-                      "max_tokens": 9, "max_completion_tokens": 7}, "m", lambda ms: seen.extend(ms) or [1])
+                      "max_tokens": 9, "max_completion_tokens": 7}, chat)
     assert seen == [{"role": "system", "content": "ab"}] and req.inp.max_new_tokens == 7
     for body in [{"messages": []}, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
                  {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
                  {"messages": [{"role": "user", "content": "x"}], "stream": "yes"},
                  {"messages": [{"role": "user", "content": "x"}], "max_tokens": True}]:
         with pytest.raises(ApiError) as err:
-            parse_chat(body, "m", lambda ms: [1])
+            parse_chat(body, chat)
         assert err.value.status == 400
 
 
