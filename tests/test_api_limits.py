@@ -174,7 +174,7 @@ async def test_an_http_body_over_the_cap_is_413(tiny_model):
                 yield big[i:i + 64 * 1024]
         async with h.post(url, data=chunked(), headers={"Content-Type": "application/json"}) as r:
             assert r.status == 413
-        async with h.post(url, json={"prompt": [5, 6], "max_tokens": 2}) as r:
+        async with h.post(url, json={"prompt": [5, 6], "max_tokens": 2, "temperature": 0, "ignore_eos": True}) as r:
             assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] == 2
 
 
@@ -193,7 +193,8 @@ async def test_slow_http_headers_and_bodies_time_out(tiny_model):
         writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")         # the headers never end
         await writer.drain()
         async with aiohttp.ClientSession() as h:                            # others are served meanwhile
-            async with h.post(s.url + "/completions", json={"prompt": [5, 6], "max_tokens": 2}) as r:
+            body = {"prompt": [5, 6], "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+            async with h.post(s.url + "/completions", json=body) as r:
                 assert r.status == 200
         assert await asyncio.wait_for(reader.read(), timeout=30) == b"", "a slow request head is cut off"
         writer.close()
@@ -240,7 +241,8 @@ async def test_with_a_token_the_token_is_the_client(tiny_model):
                     assert r.status == 200
                     assert (await r.content.readline()).startswith(b"data: ")     # running: a first token
                 assert list(s.coord.engine.admission.client_of.values()) == [token_identity("s3cret")] * 2
-                async with h2.post(s.url + "/completions", json={"prompt": [1], "max_tokens": 2}) as r:
+                async with h2.post(s.url + "/completions", json={"prompt": [1], "max_tokens": 2, "temperature": 0,
+                                                                  "ignore_eos": True}) as r:
                     assert r.status == 429 and (await r.json())["error"]["type"] == "rate_limit_error"
             finally:
                 for r in streams:
