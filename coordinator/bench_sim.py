@@ -103,7 +103,8 @@ def _levels(cfg: BenchConfig, num_stages: int, runner: StageRunner, draft, token
             wall_s = max(o.end_ms for o in out.values()) / 1e3
             row = level_row(v, num_stages, c, runs, wall_s, stage_time)
             row.update(simulated=True, stage_compute_ms=[], compute_overrun_stages=[], compute_ms_per_step=None,
-                       machine_bound=False, draft_ms=pipe.draft_ms)
+                       machine_bound=False, draft_ms=pipe.draft_ms,     # the coordinator's modelled draft time
+                       draft_share=pipe.draft_ms / (wall_s * 1e3) if wall_s else 0.0)
             rows.append(row)
             log(f"  simulated S={num_stages} c={c} {v.label}: {row['throughput_tok_s']:.2f} tok/s, tbt p50 "
                 f"{row['tbt_ms_p50']:.0f} ms p90 {row['tbt_ms_p90']:.0f} ms, ttft p50 {row['ttft_ms_p50']:.0f} ms "

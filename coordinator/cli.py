@@ -299,6 +299,7 @@ def summary_line(tokens: int, finish_reason: str, tokens_per_step: float, tbt_ms
 
 async def cmd_local(args: argparse.Namespace) -> int:
     from coordinator.config import CoordinatorConfig
+    from coordinator.openai_api import served_model_name
     from coordinator.server import start, start_http
 
     model, stages = await _start_local(args)
@@ -307,7 +308,8 @@ async def cmd_local(args: argparse.Namespace) -> int:
     try:
         config = CoordinatorConfig(stages=tuple(stages.addresses), model=model, host=args.host,
                                    port=args.port, method=args.method, max_active=args.max_active,
-                                   max_queue=args.max_queue, **spec_kwargs(args))
+                                   max_queue=args.max_queue, served_model_name=(served_model_name(args.model),),
+                                   **spec_kwargs(args))
         server, coordinator = await start(config)
         if args.metrics_port:
             from prometheus_client import start_http_server
@@ -315,7 +317,7 @@ async def cmd_local(args: argparse.Namespace) -> int:
             print(f"specpipe: metrics at http://{args.host}:{args.metrics_port}/metrics (stage i: port "
                   f"{args.metrics_port} + 1 + i)", file=sys.stderr)
         if args.http_port:
-            http = await start_http(config, coordinator, args.http_port, model_name=os.path.basename(args.model))
+            http = await start_http(config, coordinator, args.http_port)
         where = f"{args.host}:{server.port} (specpipe.v1.Generation)"
         if http is not None:
             where += f" and http://{args.host}:{http.port}/v1 (OpenAI API, model {http.model!r})"

@@ -145,3 +145,41 @@ def test_a_one_token_prompt_works_for_every_method(tiny_model8, tiny_hf8, method
     sched = make_scheduler(method, 2, SpecOptions(quant_draft(tiny_model8), width=4))
     out = InProcessPipeline(make_runners(tiny_model8, 2, layers=8)).run(sched, [Request("r", [11], 8)])
     assert out["r"].tokens == hf_greedy(tiny_hf8, [11], 8)
+
+
+def test_row_value_ranks_shallow_and_reliable_speculation_first():
+    """Hand-computed: (hits + 1) / (hits + misses + 2) to the power of the batches in flight."""
+    from types import SimpleNamespace
+    value = SpecPipeScheduler._row_value
+    state = lambda hits, misses, in_flight: SimpleNamespace(  # noqa: E731
+        counters={"hits": hits, "misses": misses}, in_flight=in_flight)
+    assert value(None, state(8, 2, 3)) == pytest.approx((9 / 12) ** 3)
+    assert value(None, state(8, 2, 0)) == 1.0                       # nothing in flight: sure to count
+    assert value(None, state(0, 0, 2)) == pytest.approx(0.25)      # no history: even odds per layer
+    ranked = sorted([("deep", state(20, 0, 7)), ("missing", state(2, 8, 1)), ("fresh", state(0, 0, 0))],
+                    key=lambda kv: -value(None, kv[1]))
+    assert [name for name, _ in ranked] == ["fresh", "deep", "missing"]     # 1.0, (21/22)^7 = 0.72, 0.25
+
+
+def test_under_a_scarce_budget_requests_with_nothing_in_flight_go_first(tiny_model8, tiny_hf8):
+    """Budget 4 rows, 6 requests: outputs stay exact, and in every micro-batch the requests' decode rows come
+    in the order of their value (a request with nothing in flight first)."""
+    runners = make_runners(tiny_model8, 4, layers=8)
+    draft = quant_draft(tiny_model8)
+    sched = SpecPipeScheduler(4, draft, width=4, node_budget=4, prefill_chunk=64)
+    order: list[list[float]] = []
+    gather = sched._gather
+
+    def recorded():
+        values = {r: sched._row_value(s) for r, s in sched.requests.items()}
+        prefilling = set(sched.prefill_next)
+        segs = gather()
+        order.append([values[s.request_id] for s in segs if s.request_id not in prefilling])   # decode rows
+        return segs
+    sched._gather = recorded
+    reqs = [Request(f"r{i}", p, 10) for i, p in enumerate(prompts(6, seed=13))]
+    out = InProcessPipeline(runners).run(sched, reqs)
+    for r in reqs:
+        assert out[r.request_id].tokens == hf_greedy(tiny_hf8, r.prompt_ids, 10)
+    assert all(vals == sorted(vals, reverse=True) for vals in order)     # highest value first
+    assert_nothing_left(sched, runners, draft)

@@ -55,6 +55,18 @@ class DraftSource(ABC):
     def begin(self, request_id: str, prompt_ids: list[int], sampling: Sampling = GREEDY,
               keep_q: bool = False) -> None: ...
 
+    def begin_many(self, jobs: list[tuple[str, list[int], Sampling, bool]]) -> list[Exception | None]:
+        """`begin` for several requests (request id, prompt ids, sampling, keep_q); a model draft prefills
+        them all in one call. Each request's failure is its own (None: begun)."""
+        out: list[Exception | None] = []
+        for rid, prompt, sampling, keep_q in jobs:
+            try:
+                self.begin(rid, prompt, sampling, keep_q)
+                out.append(None)
+            except Exception as e:
+                out.append(e)
+        return out
+
     @abstractmethod
     def expand(self, request_id: str, nodes: list[DraftNode], k: int) -> Proposals: ...
 

@@ -73,6 +73,15 @@ class CombinedDraft(DraftSource):
             self.ngram.begin(request_id, prompt_ids, sampling, keep_q)
             self.merged.add(request_id)
 
+    def begin_many(self, jobs: list[tuple[str, list[int], Sampling, bool]]) -> list[Exception | None]:
+        out = self.model.begin_many(jobs)
+        for (rid, prompt_ids, sampling, keep_q), error in zip(jobs, out):
+            self.merged.discard(rid)
+            if error is None and not keep_q:
+                self.ngram.begin(rid, prompt_ids, sampling, keep_q)
+                self.merged.add(rid)
+        return out
+
     def expand(self, request_id: str, nodes: list[DraftNode], k: int) -> Proposals:
         result = self.expand_many([(request_id, nodes)], k)[0]
         if isinstance(result, Exception):

@@ -33,13 +33,29 @@ class ModelDraft(DraftSource):
     def begin(self, request_id: str, prompt_ids: list[int], sampling: Sampling = GREEDY,
               keep_q: bool = False) -> None:
         """Prefill all prompt tokens but the last; the scheduler expands the last one."""
-        self.sampling[request_id] = (sampling, keep_q)
-        n = len(prompt_ids)
-        nodes = list(range(n))
-        self.runner.apply(Control(request_id, commit=nodes))
-        if n > 1:
-            self._run(Segment(request_id, nodes[:-1], [-1] + nodes[:-2], list(range(n - 1)), prompt_ids[:-1],
-                              [False] * (n - 1)), want=False)
+        error = self.begin_many([(request_id, prompt_ids, sampling, keep_q)])[0]
+        if error is not None:
+            raise error
+
+    def begin_many(self, jobs: list[tuple[str, list[int], Sampling, bool]]) -> list[Exception | None]:
+        """One prefill call for the prompts of every request in `jobs` (each without its last token)."""
+        segments = []
+        for rid, prompt_ids, sampling, keep_q in jobs:
+            self.sampling[rid] = (sampling, keep_q)
+            n = len(prompt_ids)
+            nodes = list(range(n))
+            self.runner.apply(Control(rid, commit=nodes))
+            if n > 1:
+                segments.append(Segment(rid, nodes[:-1], [-1] + nodes[:-2], list(range(n - 1)), prompt_ids[:-1],
+                                        [False] * (n - 1)))
+        failed: dict[str, Exception] = {}
+        if segments:
+            try:
+                out = self._step(segments, want=False)
+            except Exception as e:               # the call failed as a whole: every request in it
+                return [e if len(prompt) > 1 else None for _, prompt, *_ in jobs]
+            failed = {s.request_id: RuntimeError(f"draft rejected nodes: {s.error}") for s in out.segments if s.error}
+        return [failed.get(rid) for rid, *_ in jobs]
 
     def expand(self, request_id: str, nodes: list[DraftNode], k: int) -> Proposals:
         result = self.expand_many([(request_id, nodes)], k)[0]

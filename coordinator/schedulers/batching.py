@@ -4,7 +4,9 @@ The pipeline has S slots: at most S micro-batches are in flight in total, one pe
 is full. Whenever a slot is free, `_dispatch` builds the next micro-batch from every *ready* request
 (its previous rows came back, its draft work is done) under a shared row budget (`node_budget`):
 
-1. Running requests first, in round-robin order. Each gets an equal share of the budget,
+1. Running requests first, the most valuable rows first (`_row_value`: specpipe ranks a request by the
+   chance that its next rows are used, so under load the budget goes to shallow rows and deep speculation
+   is what gives way), round-robin among equals. Each gets an equal share of the budget,
    `share = max(1, node_budget // requests)` rows, counting every request the scheduler holds (running,
    prefilling, or waiting for its rows to come back); the subclass may take fewer (`_next_rows`). A request
    held alone is not capped by the budget (`_solo_share`: specpipe's width may exceed it).
@@ -64,6 +66,12 @@ class BatchingScheduler(Scheduler):
         """At most this many rows of running requests per micro-batch."""
         return self.node_budget
 
+    def _row_value(self, state: RequestState) -> float:
+        """Expected worth of the request's next rows, for the order in which ready requests take the budget
+        (highest first; equal values keep the round-robin order). Every row of a plain method is worth the
+        same."""
+        return 1.0
+
     # -- scheduler hooks ----------------------------------------------------------------------------
     def _start(self, state: RequestState) -> None:
         rid, prompt = state.request.request_id, state.request.prompt_ids
@@ -99,6 +107,7 @@ class BatchingScheduler(Scheduler):
             self._turn += 1
         prefilling = [r for r in self.requests if r in self.prefill_next]      # oldest first
         running = [r for r in rids if r not in self.prefill_next and self._ready(self.requests[r])]
+        running.sort(key=lambda r: -self._row_value(self.requests[r]))      # stable: round-robin among equals
         if not prefilling and not running:
             return []
         share = self._share()
