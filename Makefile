@@ -13,7 +13,7 @@ TORCH_INDEX ?=
 EXTRAS  ?= [test]
 HELM    ?= 1
 
-.PHONY: run test install install-runtime protos chart lint clean gpu-check
+.PHONY: run test test-fast install install-runtime protos chart lint clean gpu-check
 
 install: $(STAMP)
 
@@ -36,6 +36,10 @@ run: install
 
 test: install
 	$(BIN)/python -m pytest -q -ra
+
+# The edit loop: everything but the tests marked slow (the real default model, the minute-long load test).
+test-fast: install
+	$(BIN)/python -m pytest -q -ra -m "not slow"
 
 # On a CUDA machine: shard equivalence in bf16 against transformers, every method over 1, 2, 4 stage processes,
 # a short bench with real GPU stage time; one summary (out/gpu-check/gpu_check.json).

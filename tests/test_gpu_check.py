@@ -8,11 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from reference import byte_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_the_gpu_check_runs_in_smoke_mode(tiny_model8, tmp_path):
     model = tmp_path / "tiny8-chat"
     shutil.copytree(tiny_model8, model)

@@ -61,6 +61,7 @@ def rss_bytes() -> int:
     pytest.fail("no VmRSS in /proc/self/status")
 
 
+@pytest.mark.slow
 async def test_a_minute_of_mixed_malformed_and_valid_requests(tiny_model, tiny_hf):
     ps = prompts(6, seed=5)
     want = {tuple(p): hf_greedy(tiny_hf, p, 8) for p in ps}
