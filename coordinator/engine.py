@@ -81,6 +81,7 @@ class Engine:
         self.batch_timeout_s = batch_timeout_s  # 0: derived from the round trips (`batch_timeout`)
         self._round_trips: collections.deque[float] = collections.deque(maxlen=256)   # seconds, recent
         self._timed_out: Transport | None = None       # the transport the watchdog already reported
+        self._watchdog: asyncio.Task | None = None
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._execute(), name="engine-execute"),
@@ -95,9 +96,10 @@ class Engine:
             await asyncio.wait_for(self._work.join(), timeout=5)
         except asyncio.TimeoutError:
             log.warning("closing with undelivered actions", left=self._work.qsize())
-        for t in [*self._tasks, self._watchdog]:
+        tasks = [*self._tasks, *([self._watchdog] if self._watchdog is not None else [])]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, self._watchdog, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     @property
     def batch_timeout(self) -> float:
