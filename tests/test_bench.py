@@ -129,12 +129,14 @@ def test_specpipe_sweeps_topk_and_draft_rounds_and_rows_split_the_steps():
 def test_the_simulated_clock_runs_a_closed_loop_of_clients(tiny_model8, tiny_hf8):
     """`clients` = c: c requests at time 0, each later one arriving when an earlier one finishes (pp, S=2,
     a=10 ms, hop 0.3 ms: one request of 2 tokens takes 2 trips of 2 * 10 + 3 * 0.3 = 20.9 ms)."""
+    import torch
+
     from coordinator.drivers.simulated import SimulatedPipeline
     from coordinator.schedulers.pp import PPScheduler
     from coordinator.schedulers.base import Request
     from services.model.shard import load_shard
     from services.runner import StageRunner
-    runner = StageRunner(load_shard(str(tiny_model8), 0, None, __import__("torch").float32, "cpu"), 0)
+    runner = StageRunner(load_shard(str(tiny_model8), 0, None, torch.float32, "cpu"), 0)
     reqs = [Request(f"r{i}", [5 + i, 6, 7], 2) for i in range(4)]
     out = SimulatedPipeline([runner], (10.0, 0.0), num_stages=2, hop_ms=0.3).run(PPScheduler(2), reqs, clients=1)
     for i, r in enumerate(reqs):
@@ -143,7 +145,7 @@ def test_the_simulated_clock_runs_a_closed_loop_of_clients(tiny_model8, tiny_hf8
         assert o.end_ms - o.start_ms == pytest.approx(2 * 20.9)
         if i:
             assert o.start_ms == pytest.approx(out[reqs[i - 1].request_id].end_ms)     # one after another
-    runner2 = StageRunner(load_shard(str(tiny_model8), 0, None, __import__("torch").float32, "cpu"), 0)
+    runner2 = StageRunner(load_shard(str(tiny_model8), 0, None, torch.float32, "cpu"), 0)
     two = SimulatedPipeline([runner2], (10.0, 0.0), num_stages=2, hop_ms=0.3).run(PPScheduler(2), reqs, clients=2)
     starts = sorted(o.start_ms for o in two.values())
     ends = sorted(o.end_ms for o in two.values())

@@ -26,7 +26,7 @@ from coordinator.generation_defaults import GenerationDefaults, load_generation_
 from coordinator.openai_api import served_model_name
 from coordinator.openai_schema import ApiError, ParseContext, parse_chat, parse_completion
 from reference import byte_tokenizer, hf_greedy
-from test_openai_api import GREEDY, chat_model, client, serving  # noqa: F401 - chat_model is a fixture
+from test_openai_api import GREEDY, api, chat_model, client, serving  # noqa: F401 - api, chat_model: fixtures
 
 CONTEXT, CAP = 512, 256              # the tiny model's max_position_embeddings; serving()'s max_new_tokens_cap
 # a template that reads a chat_template_kwargs value, so that passing one through can be seen
@@ -117,16 +117,6 @@ async def test_unset_max_tokens_is_the_rest_of_the_context_capped(api, tiny_hf):
     assert r.usage.total_tokens == CONTEXT and r.choices[0].finish_reason == "length"
     with pytest.raises(openai.BadRequestError, match="fills the model's context"):
         await c.completions.create(model="tiny-chat", prompt=[5] * CONTEXT, **GREEDY)
-
-
-@pytest.fixture
-async def api(chat_model):
-    async with serving(chat_model) as (coord, url, _):
-        c = client(url)
-        try:
-            yield c, coord
-        finally:
-            await c.close()
 
 
 # -- 3. sampling defaults from generation_config.json ------------------------------------------------------
