@@ -15,8 +15,11 @@ from coordinator.local import LocalStages, free_port
 
 @asynccontextmanager
 async def stage_servers(model: str, num_stages: int, stage_time_ms: str = "0", kv_limit_mb: float = 0.0,
-                        tls: dict | None = None):
-    """Yield (addresses, servicers) of num_stages stages serving `model`, wired into a pipeline."""
+                        tls: dict | list[dict] | None = None):
+    """Yield (addresses, servicers) of num_stages stages serving `model`, wired into a pipeline. `tls`: StageConfig
+    fields of every stage (tls_cert=..., tls_ca=...), or a list of them, one per stage (a certificate each)."""
+    per_stage = tls if isinstance(tls, list) else [tls or {}] * num_stages
+    assert len(per_stage) == num_stages, f"{len(per_stage)} TLS settings for {num_stages} stages"
     ports = [free_port() for _ in range(num_stages)]
     addresses = [f"127.0.0.1:{p}" for p in ports]
     servers, servicers = [], []
@@ -24,7 +27,7 @@ async def stage_servers(model: str, num_stages: int, stage_time_ms: str = "0", k
         for i, port in enumerate(ports):
             config = StageConfig(model=model, stage=i, num_stages=num_stages, port=port,
                                  next_hop=addresses[i + 1] if i + 1 < num_stages else "",
-                                 stage_time_ms=stage_time_ms, kv_limit_mb=kv_limit_mb, **(tls or {}))
+                                 stage_time_ms=stage_time_ms, kv_limit_mb=kv_limit_mb, **per_stage[i])
             runner, _ = build_runner(config)
             servicer = StageServicer(runner, config, model_name="test", model_ref=model)
             server = Server([SERVICE_NAME], config.max_message_mb * MiB)

@@ -5,13 +5,12 @@ default identities (services/tls.py), which test_tls_identity.py checks RPC by R
 from __future__ import annotations
 
 import ast
-import datetime
-import ipaddress
 from pathlib import Path
 
 import grpc
 import pytest
 
+from certs import make_ca, make_leaf, write
 from coordinator.config import CoordinatorConfig
 from coordinator.server import start
 from protos import generation_pb2, generation_pb2_grpc, stage_pb2, stage_pb2_grpc
@@ -20,50 +19,6 @@ from services.tls import COORDINATOR_NAME, STAGE_NAME, TLSFiles, open_channel
 from stage_servers import stage_servers
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def make_ca(name: str):
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
-    return key, cert
-
-
-def make_leaf(ca, name: str):
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-    ca_key, ca_cert = ca
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=1)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
-            .sign(ca_key, hashes.SHA256()))
-    return key, cert
-
-
-def write(tmp: Path, name: str, key, cert) -> tuple[str, str]:
-    from cryptography.hazmat.primitives import serialization
-    (tmp / f"{name}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                        serialization.NoEncryption()))
-    (tmp / f"{name}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return str(tmp / f"{name}.crt"), str(tmp / f"{name}.key")
 
 
 @pytest.fixture(scope="module")
