@@ -100,6 +100,7 @@ class StageConfig:
     tls_ca: str = ""                    # CA that peers' certificates must chain to (mutual TLS)
     tls_coordinator_name: str = COORDINATOR_NAME        # certificate name allowed Configure/Results/Control
     tls_peer_names: tuple[str, ...] = (STAGE_NAME,)     # and these (stages) besides it, Forward
+    tls_peer_template: str = ""         # or, one certificate per stage: stage i-1's name, "{index}" its index
     metrics_port: int = 0               # Prometheus metrics on HOST:metrics_port (0 = off)
     health_port: int = 0                # plaintext grpc.health.v1 only, for probes when TLS is on (0 = off)
 
@@ -119,8 +120,10 @@ class StageConfig:
         if not 0 <= self.health_port <= 65535:
             raise ValueError(f"health_port {self.health_port} is not a port (0 = off)")
         self.tls.require_mutual(f"stage {self.stage}")     # missing files, a lone cert, a cert without a CA
-        names = PeerNames.parse(self.tls_coordinator_name, self.tls_peer_names)      # raises for a bad name
+        names = PeerNames.parse(self.tls_coordinator_name, self.tls_peer_names, self.tls_peer_template,
+                                self.stage)                                      # raises for a bad name
         object.__setattr__(self, "tls_peer_names", names.peers)       # "a,b" or a list -> ("a", "b")
+        object.__setattr__(self, "tls_peer_template", names.predecessor)
         parse_dtype(self.dtype)
         parse_stage_time(self.stage_time_ms)
         check_device(self.device)
@@ -135,8 +138,11 @@ class StageConfig:
 
     @property
     def peer_names(self) -> PeerNames | None:
-        """Who may call which RPC (services/tls.py), or None with TLS off (no identities to check)."""
-        return PeerNames(self.tls_coordinator_name, self.tls_peer_names) if self.tls.enabled else None
+        """Who may call which RPC (services/tls.py), or None with TLS off (no identities to check). With
+        `tls_peer_template` it depends on `stage`: rebuild it when Configure moves the stage."""
+        if not self.tls.enabled:
+            return None
+        return PeerNames(self.tls_coordinator_name, self.tls_peer_names, self.tls_peer_template, self.stage)
 
     @property
     def stage_time(self) -> tuple[float, float]:
@@ -199,6 +205,7 @@ class StageConfig:
                    tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
                    tls_coordinator_name=args.tls_coordinator_name.strip(),
                    tls_peer_names=tuple(args.tls_peer_names.split(",")),
+                   tls_peer_template=args.tls_peer_template.strip(),
                    metrics_port=args.metrics_port, health_port=args.health_port)
 
     @classmethod
@@ -226,7 +233,11 @@ def add_tls_identity_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {COORDINATOR_NAME})")
     p.add_argument("--tls-peer-names", default=os.environ.get("SPECPIPE_TLS_PEER_NAMES", STAGE_NAME),
                    help="comma-separated certificate names of the stages allowed Forward besides the coordinator "
-                        f"(default {STAGE_NAME})")
+                        f"(default {STAGE_NAME}); unused with --tls-peer-template")
+    p.add_argument("--tls-peer-template", default=os.environ.get("SPECPIPE_TLS_PEER_TEMPLATE", ""),
+                   help="one certificate per stage: the stages' certificate name with {index} for the index, e.g. "
+                        "specpipe-stage-{index}; stage i then accepts Forward only from the name of index i-1 "
+                        "(stage 0 only from the coordinator), following the index Configure gives it")
 
 
 def stage_index(value: str, hostname: str | None = None) -> int:

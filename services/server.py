@@ -51,7 +51,8 @@ async def serve(config: StageConfig) -> None:
              port=port, next_hop=config.next_hop or "coordinator", dtype=config.dtype, device=config.device,
              stage_time_ms=config.stage_time_ms, tls="mutual" if config.tls.enabled else "off",
              **({"coordinator_identity": config.tls_coordinator_name,
-                 "forward_identities": ",".join(config.tls_peer_names)} if config.tls.enabled else {}))
+                 "forward_identities": ",".join(sorted(config.peer_names.allowed("Forward"))),
+                 "peer_template": config.tls_peer_template or "(off)"} if config.tls.enabled else {}))
     if config.port_file:
         tmp = f"{config.port_file}.tmp"
         with open(tmp, "w") as f:
@@ -73,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
                "      --next-hop 'rel-specpipe-stage-{next}.rel-specpipe-stage:50061'     # in a StatefulSet pod\n"
                "  specpipe stage --tls-cert stage.crt --tls-key stage.key --tls-ca ca.crt \\\n"
                "      --tls-coordinator-name specpipe-coordinator --tls-peer-names specpipe-stage   # mutual TLS\n"
+               "  specpipe stage --stage auto --tls-cert pod.crt --tls-key pod.key --tls-ca ca.crt \\\n"
+               "      --tls-peer-template 'rel-specpipe-stage-{index}'   # a certificate per stage: Forward from i-1\n"
                "Most options also read SPECPIPE_<OPTION> from the environment (SPECPIPE_STAGE, "
                "SPECPIPE_TLS_CERT, ...).")
     StageConfig.add_arguments(parser)

@@ -5,7 +5,9 @@ in a worker thread so control messages keep flowing while a step computes. `self
 (compute plus the emulated stage time), as one GPU would.
 
 With TLS on, each RPC first checks the caller's certificate names (services/tls.py `PeerNames`):
-Configure, Results and Control only from the coordinator, Forward from the coordinator or a stage.
+Configure, Results and Control only from the coordinator, Forward from the coordinator or a stage (with a
+certificate per stage: from the previous stage, by the index the last Configure gave; an open Forward stream
+is checked again when Configure changes who that is).
 """
 from __future__ import annotations
 
@@ -72,9 +74,13 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     # -- data plane ---------------------------------------------------------------------------------
     async def Forward(self, request_iterator, context):
-        await require_peer(context, "Forward", self._peers)
+        policy = self._peers
+        await require_peer(context, "Forward", policy)
         count = 0
         async for msg in request_iterator:
+            if policy != self._peers:            # Configure moved this stage: is the caller still before it?
+                policy = self._peers
+                await require_peer(context, "Forward", policy)
             out = await self._process(msg)
             await self._outbox.put(out)
             count += 1
@@ -223,6 +229,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 self.runner = runner
                 self.config = replace(self.config, stage=stage, num_stages=n, first_layer=first,
                                       last_layer=last, next_hop=request.next_hop)
+                self._peers = self.config.peer_names        # with a name per stage: a new predecessor
                 if request.next_hop != self._next_hop:
                     self._next_hop = request.next_hop
                     self._hop_version += 1

@@ -7,7 +7,9 @@ Without files every hop is plaintext (local development).
 
 Identities: the names in a peer's certificate (its common name and subject alternative names). A stage
 accepts Configure, Results and Control only from the coordinator's name, Forward from the coordinator or a
-stage's name (`PeerNames`); Info and health from any peer with a certificate from the CA.
+stage's name (`PeerNames`); Info and health from any peer with a certificate from the CA. With a certificate
+per stage and a name template (`PeerNames.predecessor`), stage i accepts Forward only from stage i-1's name,
+stage 0 only from the coordinator.
 
     tls = TLSFiles("/tls/tls.crt", "/tls/tls.key", "/tls/ca.crt")
     server.bind("0.0.0.0", 50061, tls.mutual_server_credentials())
@@ -16,6 +18,7 @@ stage's name (`PeerNames`); Info and health from any peer with a certificate fro
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,31 +92,69 @@ def open_channel(address: str, tls: TLSFiles | None, options: list | None = None
 @dataclass(frozen=True)
 class PeerNames:
     """Which certificate names may call which Stage RPC: Configure, Results and Control only `coordinator`;
-    Forward `coordinator` or one of `peers` (the stages); any other RPC every authenticated peer."""
+    Forward `coordinator` or one of `peers` (the stages); any other RPC every authenticated peer.
+
+    With `predecessor`, a template of the stages' names in which "{index}" stands for a stage's index (one
+    certificate per stage), Forward comes from the stage before this one (`stage`) alone, and on stage 0
+    from the coordinator alone; `peers` are then unused.
+
+    >>> sorted(PeerNames().allowed("Forward"))
+    ['specpipe-coordinator', 'specpipe-stage']
+    >>> sorted(PeerNames(predecessor="specpipe-stage-{index}", stage=2).allowed("Forward"))
+    ['specpipe-stage-1']
+    >>> sorted(PeerNames(predecessor="specpipe-stage-{index}", stage=0).allowed("Forward"))
+    ['specpipe-coordinator']
+    """
 
     coordinator: str = COORDINATOR_NAME
     peers: tuple[str, ...] = (STAGE_NAME,)
+    predecessor: str = ""       # e.g. "specpipe-stage-{index}"; empty: any of `peers` may forward
+    stage: int = 0              # this stage's index: whose name `predecessor` gives
 
     COORDINATOR_ONLY: ClassVar[frozenset[str]] = frozenset({"Configure", "Results", "Control"})
+    INDEX: ClassVar[str] = "{index}"
 
     def __post_init__(self) -> None:
         for name in (self.coordinator, *self.peers):
-            if not name or "," in name or any(c.isspace() for c in name):
-                raise ValueError(f"TLS identity {name!r} is not a certificate name (non-empty, no spaces or commas)")
+            _check_name(name)
+        if self.stage < 0:
+            raise ValueError(f"stage {self.stage} is not an index (0 or more)")
+        if not self.predecessor:
+            return
+        prefix, _, suffix = self.predecessor.partition(self.INDEX)
+        if self.INDEX not in self.predecessor or any(c in prefix + suffix for c in "{}"):
+            raise ValueError(f"TLS peer template {self.predecessor!r} needs {self.INDEX} exactly once and no other "
+                             "braces, e.g. specpipe-stage-{index}")
+        _check_name(prefix + "0" + suffix)
+        if re.fullmatch(re.escape(prefix) + "[0-9]+" + re.escape(suffix), self.coordinator):
+            raise ValueError(f"the coordinator's name {self.coordinator!r} is a stage's name by the TLS peer template "
+                             f"{self.predecessor!r}: that stage could reconfigure every other")
 
     @classmethod
-    def parse(cls, coordinator: str, peers: str | Iterable[str]) -> "PeerNames":
+    def parse(cls, coordinator: str, peers: str | Iterable[str], predecessor: str = "",
+              stage: int = 0) -> "PeerNames":
         """From flags: `peers` may be comma-separated ("a,b")."""
         items = peers.split(",") if isinstance(peers, str) else peers
-        return cls(coordinator.strip(), tuple(p.strip() for p in items if p.strip()))
+        return cls(coordinator.strip(), tuple(p.strip() for p in items if p.strip()), predecessor.strip(), stage)
+
+    def stage_name(self, index: int) -> str:
+        """The certificate name of stage `index` by the template (`predecessor`)."""
+        return self.predecessor.replace(self.INDEX, str(index))
 
     def allowed(self, rpc: str) -> frozenset[str] | None:
         """The names that may call `rpc`; None: any peer the TLS handshake admitted."""
         if rpc in self.COORDINATOR_ONLY:
             return frozenset({self.coordinator})
         if rpc == "Forward":
-            return frozenset({self.coordinator, *self.peers})
+            if not self.predecessor:
+                return frozenset({self.coordinator, *self.peers})
+            return frozenset({self.stage_name(self.stage - 1) if self.stage else self.coordinator})
         return None
+
+
+def _check_name(name: str) -> None:
+    if not name or "," in name or any(c.isspace() for c in name):
+        raise ValueError(f"TLS identity {name!r} is not a certificate name (non-empty, no spaces or commas)")
 
 
 def peer_names(context: grpc.aio.ServicerContext) -> list[str]:
