@@ -25,6 +25,35 @@
 {{- end }}
 {{- $_ := set $seen $p $name }}
 {{- end }}
+{{- $t := .Values.tls -}}
+{{- if $t.certManager.perPod }}
+{{- $stage := include "specpipe.stageName" . }}
+{{- if not $t.enabled }}
+{{- fail "tls.certManager.perPod needs tls.enabled=true: the per-pod certificates are those of the internal mutual TLS" }}
+{{- end }}
+{{- if not $t.certManager.enabled }}
+{{- fail "tls.certManager.perPod needs tls.certManager.enabled=true: its issuerRef signs the per-pod certificates (cert-manager csi-driver) and the coordinator's Certificate" }}
+{{- end }}
+{{- if not $t.certManager.issuerRef.name }}
+{{- fail "tls.certManager.perPod needs tls.certManager.issuerRef.name: the issuer the csi-driver asks for each stage pod's certificate" }}
+{{- end }}
+{{- if $t.stageName }}
+{{- fail (printf "tls.stageName names the shared stage certificate; with tls.certManager.perPod each stage is named by its pod (%s-<ordinal>): leave tls.stageName empty" $stage) }}
+{{- end }}
+{{- if $t.secretName }}
+{{- fail "tls.secretName is the shared stage Secret; with tls.certManager.perPod the stages mount per-pod certificates from the csi-driver and no Secret: leave tls.secretName empty" }}
+{{- end }}
+{{- $coordId := include "specpipe.tlsCoordinatorIdentity" . }}
+{{- if regexMatch (printf "^%s-[0-9]+$" (regexQuoteMeta $stage)) $coordId }}
+{{- fail (printf "tls.coordinatorName %s is the name of a stage pod (%s-<ordinal>): with tls.certManager.perPod that stage could Configure every other; choose another" $coordId $stage) }}
+{{- end }}
+{{- if gt (len $stage) 60 }}
+{{- fail (printf "with tls.certManager.perPod the stage pods' names (%s-<ordinal>) are their certificates' common names, at most 64 characters: shorten the release name or set fullnameOverride" $stage) }}
+{{- end }}
+{{- if lt (int (include "specpipe.stageGroup" .)) 1 }}
+{{- fail "tls.certManager.perPod needs the stages' group (podSecurityContext.fsGroup or runAsGroup, 1 or more, also via stages.podSecurityContext): the csi-driver writes the private key readable by that group (csi.cert-manager.io/fs-group) alone" }}
+{{- end }}
+{{- end }}
 {{- if and .Values.tls.enabled (eq (int $v.port) (int .Values.tls.healthPort)) }}
 {{- fail "tls.healthPort must differ from stages.port" }}
 {{- end }}
