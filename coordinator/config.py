@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from services.config import add_tls_arguments
 from services.tls import TLSFiles
 
-from coordinator.schedulers.registry import SpecOptions
-from coordinator.verify import VERIFIERS
+from coordinator.core.schedulers.registry import SpecOptions
+from coordinator.core.verify import VERIFIERS
 
 _SPEC = SpecOptions()      # speculation defaults live in one place
 

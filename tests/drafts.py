@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from coordinator.drafts.base import DraftNode, Proposals
-from coordinator.drafts.model import ModelDraft
+from coordinator.core.drafts.base import DraftNode, Proposals
+from coordinator.core.drafts.model import ModelDraft
 from services.model.shard import load_causal_lm
 
 

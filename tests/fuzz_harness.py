@@ -16,8 +16,8 @@ import torch
 from hypothesis import strategies as st
 
 from coordinator.config import CoordinatorConfig
-from coordinator.local import free_port
-from coordinator.server import start as start_coordinator
+from coordinator.cli.local import free_port
+from coordinator.frontends.server import start as start_coordinator
 from protos import common_pb2, generation_pb2_grpc, stage_pb2, stage_pb2_grpc
 from services.batch import Control
 from services.config import MiB, StageConfig

@@ -28,12 +28,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from coordinator.config import CoordinatorConfig  # noqa: E402
-from coordinator.drivers.inprocess import InProcessPipeline  # noqa: E402
-from coordinator.local import LocalStages  # noqa: E402
-from coordinator.schedulers.base import Request  # noqa: E402
-from coordinator.schedulers.pp import PPScheduler  # noqa: E402
-from coordinator.schedulers.registry import METHODS  # noqa: E402
-from coordinator.service import Coordinator, GenerateInput  # noqa: E402
+from coordinator.engine.transports.inprocess import InProcessPipeline  # noqa: E402
+from coordinator.cli.local import LocalStages  # noqa: E402
+from coordinator.core.schedulers.base import Request  # noqa: E402
+from coordinator.core.schedulers.pp import PPScheduler  # noqa: E402
+from coordinator.core.schedulers.registry import METHODS  # noqa: E402
+from coordinator.frontends.service import Coordinator, GenerateInput  # noqa: E402
 from services.config import parse_dtype  # noqa: E402
 from services.model.loader import resolve_model, stderr_log  # noqa: E402
 from services.model.shard import even_split, load_shard  # noqa: E402
@@ -106,7 +106,7 @@ async def methods_check(model: str, dtype: str, device: str, depths: list[int], 
 
 
 def bench(model: str, dtype: str, device: str, out: Path, quick: bool) -> dict:
-    cmd = [sys.executable, "-m", "coordinator.cli", "bench", "--model", model, "--dtype", dtype, "--device", device,
+    cmd = [sys.executable, "-m", "coordinator.cli.main", "bench", "--model", model, "--dtype", dtype, "--device", device,
            "--stages", "2" if quick else "4", "--stage-time-ms", "0", "--methods", "pp,specpipe",
            "--num-prompts", "1" if quick else "4", "--max-new-tokens", "8" if quick else "32", "--out", str(out)]
     subprocess.run(cmd, check=True, cwd=ROOT)

@@ -10,7 +10,7 @@ from services.grpc_server import Server
 from services.server import SERVICE_NAME, build_runner
 from services.servicer import StageServicer
 
-from coordinator.local import LocalStages, free_port
+from coordinator.cli.local import LocalStages, free_port
 
 
 @asynccontextmanager

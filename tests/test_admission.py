@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.admission import Admission, Overloaded, kv_need
+from coordinator.core.admission import Admission, Overloaded, kv_need
 
 
 def test_runs_queues_then_refuses_and_releases_in_order() -> None:

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from coordinator.config import CoordinatorConfig
-from coordinator.server import start
+from coordinator.frontends.server import start
 from protos import generation_pb2, generation_pb2_grpc
 from reference import hf_greedy
 from stage_servers import stage_servers
@@ -123,7 +123,7 @@ async def test_logs_carry_the_request_id(api):
 
 
 async def test_losing_the_last_stage_ends_streams_with_unavailable_not_a_hang(tiny_model):
-    from coordinator.service import Coordinator, GenerateInput, GenerationFailed
+    from coordinator.frontends.service import Coordinator, GenerateInput, GenerationFailed
     async with stage_servers(str(tiny_model), 2, stage_time_ms="40") as (addrs, servicers):
         coord = await Coordinator.connect(CoordinatorConfig(stages=tuple(addrs), model=str(tiny_model),
                                                             recovery_timeout_s=0))     # fail at once

@@ -14,11 +14,11 @@ import aiohttp
 import grpc
 import pytest
 
-from coordinator.api import client_identity, peer_host, token_identity
+from coordinator.frontends.grpc_api import client_identity, peer_host, token_identity
 from coordinator.config import CoordinatorConfig
-from coordinator.openai_api import OpenAIServer
-from coordinator.server import ApiServer, api_server_options, start, start_http
-from coordinator.service import Coordinator
+from coordinator.frontends.openai.api import OpenAIServer
+from coordinator.frontends.server import ApiServer, api_server_options, start, start_http
+from coordinator.frontends.service import Coordinator
 from protos import generation_pb2, generation_pb2_grpc
 from reference import hf_greedy
 from stage_servers import stage_servers

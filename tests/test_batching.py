@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.drafts.model import ModelDraft, quantized_copy
-from coordinator.drivers.inprocess import InProcessPipeline
-from coordinator.schedulers.base import Inject, Request
-from coordinator.schedulers.cbpp import CBPPScheduler
-from coordinator.schedulers.specpipe import SpecPipeScheduler
+from coordinator.core.drafts.model import ModelDraft, quantized_copy
+from coordinator.engine.transports.inprocess import InProcessPipeline
+from coordinator.core.schedulers.base import Inject, Request
+from coordinator.core.schedulers.cbpp import CBPPScheduler
+from coordinator.core.schedulers.specpipe import SpecPipeScheduler
 from reference import hf_greedy, prompts
 from test_shard import make_runners
 
@@ -96,7 +96,7 @@ def test_micro_batches_stay_within_the_node_budget_and_the_prefill_chunk(tiny_mo
 @pytest.mark.parametrize("method", ["cb-pp", "specpipe"])
 def test_a_long_prompt_goes_in_prefill_chunks_not_node_budget_slices(tiny_model8, tiny_hf8, method):
     """A 100-token prompt with node budget 8 and prefill chunk 40: 3 prefill micro-batches (40, 40, 20), not 13."""
-    from coordinator.schedulers.registry import SpecOptions, make_scheduler
+    from coordinator.core.schedulers.registry import SpecOptions, make_scheduler
     sched = make_scheduler(method, 2, SpecOptions(quant_draft(tiny_model8), width=4, node_budget=8,
                                                   prefill_chunk=40))
     rec = Recording(sched)
@@ -141,7 +141,7 @@ def test_cb_pp_rotates_groups_through_the_stages(tiny_model8, tiny_hf8):
 @pytest.mark.parametrize("method", ["pp", "cb-pp", "specpipe", "sps", "tree", "pipeinfer"])
 def test_a_one_token_prompt_works_for_every_method(tiny_model8, tiny_hf8, method):
     """The root of a one-token prompt has no parent (a regression: it was looked up as committed[-2])."""
-    from coordinator.schedulers.registry import SpecOptions, make_scheduler
+    from coordinator.core.schedulers.registry import SpecOptions, make_scheduler
     sched = make_scheduler(method, 2, SpecOptions(quant_draft(tiny_model8), width=4))
     out = InProcessPipeline(make_runners(tiny_model8, 2, layers=8)).run(sched, [Request("r", [11], 8)])
     assert out["r"].tokens == hf_greedy(tiny_hf8, [11], 8)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from coordinator.bench import BenchConfig, load_prompts, percentile, run_bench, table
+from coordinator.bench.run import BenchConfig, load_prompts, percentile, run_bench, table
 from reference import hf_greedy
 
 REQUIRED = {"method", "stages", "concurrency", "tbt_ms_mean", "tbt_ms_p50", "tbt_ms_p90", "ttft_ms_mean",
@@ -85,7 +85,7 @@ async def test_bench_sampling_compares_verifiers(tiny_model8, tmp_path):
 
 @pytest.mark.slow
 def test_hf_reference_rows(tmp_path):
-    from coordinator.hf_reference import hf_rows
+    from coordinator.bench.hf_reference import hf_rows
     from services.model.loader import ensure_default_model
     rows = hf_rows(str(ensure_default_model()), "quant", [{"prompt": "Say hi.", "raw": False}], 6)
     assert [r["label"] for r in rows] == ["hf-generate", "hf-assisted"]
@@ -96,7 +96,7 @@ def test_hf_reference_rows(tmp_path):
 def test_simulated_clock_matches_the_latency_model(tiny_model8, tmp_path):
     """pp on the simulated clock: every token is one trip of S stages of `a` ms plus S+1 hops, by hand:
     S=4, a=10 ms, hop 0.3 ms -> 4 * 10 + 5 * 0.3 = 41.5 ms between tokens, and the same to the first token."""
-    from coordinator.bench_sim import run_simulated
+    from coordinator.bench.sim import run_simulated
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt_token_ids": [5, 6, 7]}))
     cfg = BenchConfig(stages=[4], methods=["pp", "specpipe"], widths=[4], policies=["hybrid"],
@@ -109,7 +109,7 @@ def test_simulated_clock_matches_the_latency_model(tiny_model8, tmp_path):
 
 
 def test_specpipe_sweeps_topk_and_draft_rounds_and_rows_split_the_steps():
-    from coordinator.bench import Variant, summarize
+    from coordinator.bench.run import Variant, summarize
     cfg = BenchConfig(stages=[8], methods=["pp", "specpipe"], widths=[32, 64], policies=["hybrid"],
                       topks=[8, 16], draft_rounds=[2])
     labels = [v.label for v in cfg.variants]
@@ -131,9 +131,9 @@ def test_the_simulated_clock_runs_a_closed_loop_of_clients(tiny_model8, tiny_hf8
     a=10 ms, hop 0.3 ms: one request of 2 tokens takes 2 trips of 2 * 10 + 3 * 0.3 = 20.9 ms)."""
     import torch
 
-    from coordinator.drivers.simulated import SimulatedPipeline
-    from coordinator.schedulers.pp import PPScheduler
-    from coordinator.schedulers.base import Request
+    from coordinator.engine.transports.simulated import SimulatedPipeline
+    from coordinator.core.schedulers.pp import PPScheduler
+    from coordinator.core.schedulers.base import Request
     from services.model.shard import load_shard
     from services.runner import StageRunner
     runner = StageRunner(load_shard(str(tiny_model8), 0, None, torch.float32, "cpu"), 0)
@@ -153,7 +153,7 @@ def test_the_simulated_clock_runs_a_closed_loop_of_clients(tiny_model8, tiny_hf8
 
 
 def test_simulated_concurrency_sweep_rows(tiny_model8, tmp_path):
-    from coordinator.bench_sim import run_simulated
+    from coordinator.bench.sim import run_simulated
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt_token_ids": p}) for p in ([5, 6, 7], [9, 9], [3, 4, 5, 6])))
     cfg = BenchConfig(stages=[4], methods=["cb-pp", "specpipe"], widths=[4], policies=["hybrid"],

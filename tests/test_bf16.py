@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from coordinator.drivers.inprocess import InProcessPipeline
-from coordinator.schedulers.base import Request
-from coordinator.schedulers.cbpp import CBPPScheduler
+from coordinator.engine.transports.inprocess import InProcessPipeline
+from coordinator.core.schedulers.base import Request
+from coordinator.core.schedulers.cbpp import CBPPScheduler
 from reference import prompts
 from services.model.shard import even_split, load_shard
 from services.runner import StageRunner

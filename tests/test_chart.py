@@ -121,7 +121,7 @@ def test_rendered_arguments_parse_with_our_cli(monkeypatch):
     finds stage 3 by DNS, the last stage has no next hop, the coordinator expands its stage list."""
     import socket
 
-    from coordinator.cli import build_parser
+    from coordinator.cli.main import build_parser
     from coordinator.config import CoordinatorConfig
     from services.config import StageConfig
 

@@ -1,7 +1,7 @@
 """The chart on a shared cluster: every pod it renders meets the *restricted* Pod Security Standard (checked
 here rule by rule, the rules written out below), writes only to its emptyDirs and cache volume, mounts a
 service-account token only where the coordinator watches its StatefulSet (RBAC: that watch and nothing
-more, checked against the call coordinator/k8s.py makes), the coordinator's NetworkPolicy, the per-workload
+more, checked against the call coordinator/engine/k8s.py makes), the coordinator's NetworkPolicy, the per-workload
 knobs (extraArgs ... securityContext), the coordinator's limits as flags our CLI parses, every TLS/token
 combination (`helm test` can work, or the render says why not), and the hub cache.
 Rendered with the pinned helm (tests/test_chart.py)."""
@@ -231,11 +231,11 @@ def test_the_token_is_mounted_only_where_the_coordinator_watches_its_statefulset
 
 
 def test_rbac_grants_exactly_the_watch_the_code_makes():
-    """The Role allows list/watch of the stage StatefulSet by name; coordinator/k8s.py watches it with the
+    """The Role allows list/watch of the stage StatefulSet by name; coordinator/engine/k8s.py watches it with the
     field selector metadata.name=<that name>, which is how RBAC authorizes a watch by resourceNames."""
     from kubernetes.client.exceptions import ApiException
 
-    from coordinator.k8s import StatefulSetWatcher
+    from coordinator.engine.k8s import StatefulSetWatcher
 
     objs = render()
     [rule] = one(objs, "Role")["rules"]
@@ -472,8 +472,8 @@ COMBOS = list(itertools.product([False, True], [False, True], [False, True], [Fa
 @pytest.mark.parametrize("api_tls, token, allow_plain, mtls, own_ca", COMBOS)
 def test_helm_test_works_under_every_tls_and_token_combination(api_tls, token, allow_plain, mtls, own_ca,
                                                                 monkeypatch, tmp_path):
-    from coordinator.cli import build_parser
-    from coordinator.client import _metadata
+    from coordinator.cli.main import build_parser
+    from client.client import _metadata
 
     sets = [f"coordinator.allowTokenWithoutTls={str(allow_plain).lower()}", f"tls.enabled={str(mtls).lower()}"]
     sets += ["coordinator.apiTlsSecret=api-cert"] if api_tls else []

@@ -1,4 +1,4 @@
-"""The Python client (coordinator/client.py) and `specpipe generate` against a real coordinator over real
+"""The Python client (client.py) and `specpipe generate` against a real coordinator over real
 stages: exact tokens and text, errors as SpecPipeError, TLS and the bearer token, one-line CLI errors, --help.
 
 The coordinator serves from an event loop in a background thread, so that the blocking Client and
@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.client import AsyncClient, Client, SpecPipeError
+from client import AsyncClient, Client, SpecPipeError
 from coordinator.config import CoordinatorConfig
-from coordinator.local import free_port
-from coordinator.server import start
+from coordinator.cli.local import free_port
+from coordinator.frontends.server import start
 from reference import hf_greedy
 from stage_servers import stage_servers
 from test_tls import make_ca, make_leaf, write
@@ -205,7 +205,7 @@ def test_unreachable_address_is_unavailable_and_refused():
 def specpipe(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items() if k not in ("SPECPIPE_API_TOKEN", "SPECPIPE_API_TLS_CA")}
     full.update(PYTHONIOENCODING="utf-8", **(env or {}))
-    return subprocess.run([sys.executable, "-m", "coordinator.cli", *args], capture_output=True, timeout=120,
+    return subprocess.run([sys.executable, "-m", "coordinator.cli.main", *args], capture_output=True, timeout=120,
                           cwd=ROOT, env=full)
 
 
@@ -265,7 +265,7 @@ def test_server_refusals_reach_the_cli_as_their_details(served):
 
 @pytest.mark.parametrize("command", ["run", "local", "generate", "bench", "stage", "coordinator"])
 def test_help_of_every_subcommand_shows_examples(command, capsys):
-    from coordinator.cli import main
+    from coordinator.cli.main import main
     with pytest.raises(SystemExit) as done:
         main([command, "--help"])
     assert done.value.code == 0
@@ -274,7 +274,7 @@ def test_help_of_every_subcommand_shows_examples(command, capsys):
 
 
 def test_ctrl_c_during_a_stream_exits_130_without_a_traceback(served):
-    proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "generate", "hello", "--raw", "--ignore-eos",
+    proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli.main", "generate", "hello", "--raw", "--ignore-eos",
                              "--max-new-tokens", "60", "--addr", served.slow], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=dict(os.environ, PYTHONIOENCODING="utf-8"))
     try:
@@ -287,7 +287,7 @@ def test_ctrl_c_during_a_stream_exits_130_without_a_traceback(served):
 
 
 def test_interrupt_is_130_and_errors_are_one_line(monkeypatch, capsys):
-    import coordinator.cli as cli
+    import coordinator.cli.main as cli
 
     def interrupted(argv):
         raise KeyboardInterrupt
@@ -309,7 +309,7 @@ class FakeTerminal(io.StringIO):
 
 
 def test_conversion_progress_ticks_on_a_terminal_and_is_plain_otherwise():
-    from coordinator.progress import ConversionProgress
+    from coordinator.cli.progress import ConversionProgress
 
     plain = io.StringIO()
     with ConversionProgress(plain, interval_s=0.01) as log:

@@ -1,4 +1,4 @@
-"""CombinedDraft (coordinator/drafts/combined.py, `--draft quant+ngram`): the model draft's children merged
+"""CombinedDraft (coordinator/core/drafts/combined.py, `--draft quant+ngram`): the model draft's children merged
 with the n-gram's; `rejection` requests get the model's alone; commits, prunes and releases reach both
 parts; `specpipe` with it is lossless.
 
@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.drafts.base import DraftNode, DraftSource
-from coordinator.drafts.combined import CombinedDraft
-from coordinator.drafts.factory import DRAFTS, build_draft
-from coordinator.drafts.model import ModelDraft, quantized_copy
-from coordinator.drafts.ngram import NgramDraft
-from coordinator.drivers.inprocess import InProcessPipeline
-from coordinator.schedulers.base import Request
-from coordinator.schedulers.registry import SpecOptions, make_scheduler
-from coordinator.schedulers.specpipe import SpecPipeScheduler
+from coordinator.core.drafts.base import DraftNode, DraftSource
+from coordinator.core.drafts.combined import CombinedDraft
+from coordinator.core.drafts.factory import DRAFTS, build_draft
+from coordinator.core.drafts.model import ModelDraft, quantized_copy
+from coordinator.core.drafts.ngram import NgramDraft
+from coordinator.engine.transports.inprocess import InProcessPipeline
+from coordinator.core.schedulers.base import Request
+from coordinator.core.schedulers.registry import SpecOptions, make_scheduler
+from coordinator.core.schedulers.specpipe import SpecPipeScheduler
 from reference import hf_greedy, prompts
 from services.batch import Control, MicroBatch
 from services.model.shard import load_causal_lm
@@ -285,7 +285,7 @@ def test_factory_builds_it(tiny_model):
 
 
 def test_the_choice_is_offered_everywhere():
-    from coordinator.bench import main_args
+    from coordinator.bench.run import main_args
     from coordinator.config import add_spec_arguments
     for add in (add_spec_arguments, main_args):
         p = argparse.ArgumentParser()

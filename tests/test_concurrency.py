@@ -9,10 +9,10 @@ import grpc
 import pytest
 
 from coordinator.config import CoordinatorConfig
-from coordinator.drivers.inprocess import InProcessPipeline
-from coordinator.schedulers.base import Request
-from coordinator.schedulers.pp import PPScheduler
-from coordinator.server import start
+from coordinator.engine.transports.inprocess import InProcessPipeline
+from coordinator.core.schedulers.base import Request
+from coordinator.core.schedulers.pp import PPScheduler
+from coordinator.frontends.server import start
 from protos import generation_pb2, generation_pb2_grpc, stage_pb2, stage_pb2_grpc
 from reference import hf_greedy, prompts
 from services.model.shard import load_shard

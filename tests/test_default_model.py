@@ -50,7 +50,7 @@ def test_default_model_shards_match_transformers(default_model, hf_model, tokeni
 
 def test_specpipe_run_pp_4_stages_matches_transformers(default_model, hf_model, tokenizer):
     prompt = "Explain how photosynthesis works in simple terms."
-    proc = subprocess.run([sys.executable, "-m", "coordinator.cli", "run", prompt, "--stages", "4",
+    proc = subprocess.run([sys.executable, "-m", "coordinator.cli.main", "run", prompt, "--stages", "4",
                            "--method", "pp", "--max-new-tokens", "24", "--ignore-eos", "--json"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -68,7 +68,7 @@ def test_specpipe_run_pp_4_stages_matches_transformers(default_model, hf_model, 
 
 def test_specpipe_run_4_stages_quant_draft_matches_transformers(default_model, hf_model, tokenizer):
     prompt = "What is the capital of France?"
-    proc = subprocess.run([sys.executable, "-m", "coordinator.cli", "run", prompt, "--stages", "4",
+    proc = subprocess.run([sys.executable, "-m", "coordinator.cli.main", "run", prompt, "--stages", "4",
                            "--method", "specpipe", "--draft", "quant", "--width", "8", "--max-new-tokens", "24",
                            "--ignore-eos", "--json"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.drafts.factory import build_draft
-from coordinator.drafts.model import parameter_count, quantized_copy
+from coordinator.core.drafts.factory import build_draft
+from coordinator.core.drafts.model import parameter_count, quantized_copy
 
 
 def test_the_parameter_count_comes_from_the_config_alone(tiny_model, tiny_hf):

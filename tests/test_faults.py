@@ -10,10 +10,10 @@ import pytest
 from prometheus_client import REGISTRY
 
 from coordinator.config import CoordinatorConfig
-from coordinator.drivers.grpc import GrpcPipeline, encode
-from coordinator.scaling import Repartitioner
-from coordinator.server import start, start_http
-from coordinator.service import Coordinator, GenerateInput
+from coordinator.engine.transports.grpc import GrpcPipeline, encode
+from coordinator.engine.scaling import Repartitioner
+from coordinator.frontends.server import start, start_http
+from coordinator.frontends.service import Coordinator, GenerateInput
 from reference import hf_greedy
 from services.batch import MicroBatch, Segment
 from services.sampling import Sampling
@@ -108,7 +108,7 @@ class DroppingPipeline(GrpcPipeline):
 
 
 async def test_a_lost_micro_batch_is_recovered_within_the_bound(tiny_model, tiny_hf, monkeypatch):
-    monkeypatch.setattr("coordinator.service.GrpcPipeline", DroppingPipeline)
+    monkeypatch.setattr("coordinator.frontends.service.GrpcPipeline", DroppingPipeline)
     DroppingPipeline.opened = 0
     async with stage_servers(str(tiny_model), 2) as (addrs, _):
         coord = await Coordinator.connect(CoordinatorConfig(stages=tuple(addrs), model=str(tiny_model),

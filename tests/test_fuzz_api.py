@@ -137,8 +137,8 @@ def test_any_order_of_results_and_draft_work_gives_the_exact_output(drafts_and_s
     be handled before the draft expanded its nodes. Whatever the order, the output is transformers' greedy
     output and nothing is left on the stages. (sps / tree used to fail with 'draft rejected nodes: node 5
     has unknown parent 4' when the prompt's result beat the draft: INTERNAL for a good request.)"""
-    from coordinator.schedulers.base import Broadcast, Emit, Finish, Inject, Request
-    from coordinator.schedulers.registry import SpecOptions, make_scheduler
+    from coordinator.core.schedulers.base import Broadcast, Emit, Finish, Inject, Request
+    from coordinator.core.schedulers.registry import SpecOptions, make_scheduler
     from test_shard import through
     sources, runners = drafts_and_stages
     sched = make_scheduler(method, 2, SpecOptions(draft=sources[draft], width=3, sps_k=3, tree_nodes=6,

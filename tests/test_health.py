@@ -17,8 +17,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.config import CoordinatorConfig
-from coordinator.local import LocalStages, free_port
-from coordinator.server import LIVENESS_SERVICE, SERVICE_NAME, start, start_http
+from coordinator.cli.local import LocalStages, free_port
+from coordinator.frontends.server import LIVENESS_SERVICE, SERVICE_NAME, start, start_http
 from reference import hf_greedy
 from stage_servers import stage_servers
 
@@ -86,7 +86,7 @@ async def coordinator(addresses: list[str], model: str, **config) -> AsyncIterat
 
 
 async def generate(coord, prompt: list[int], n: int) -> list[int]:
-    from coordinator.service import GenerateInput
+    from coordinator.frontends.service import GenerateInput
     return [t async for c in coord.generate(GenerateInput(prompt_token_ids=prompt, max_new_tokens=n,
                                                           ignore_eos=True)) for t in c.token_ids]
 

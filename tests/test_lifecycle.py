@@ -8,7 +8,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.local import LocalStages
+from coordinator.cli.local import LocalStages
 from protos import stage_pb2, stage_pb2_grpc
 
 

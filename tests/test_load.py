@@ -15,7 +15,7 @@ import time
 import grpc
 
 from coordinator.config import CoordinatorConfig
-from coordinator.server import start
+from coordinator.frontends.server import start
 from protos import generation_pb2, generation_pb2_grpc
 from reference import hf_greedy
 from stage_servers import stage_servers

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from coordinator.config import CoordinatorConfig
-from coordinator.server import start, start_http
+from coordinator.frontends.server import start, start_http
 from protos import generation_pb2, generation_pb2_grpc
 from reference import hf_greedy, prompts
 from stage_servers import stage_servers

@@ -20,11 +20,11 @@ from prometheus_client import start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.config import CoordinatorConfig
-from coordinator.local import free_port
-from coordinator.metrics import RequestMetrics, outcome_of
-from coordinator.requests import InvalidRequest
-from coordinator.server import start
-from coordinator.service import GenerateInput, GenerationFailed
+from coordinator.cli.local import free_port
+from coordinator.frontends.metrics import RequestMetrics, outcome_of
+from coordinator.core.validate import InvalidRequest
+from coordinator.frontends.server import start
+from coordinator.frontends.service import GenerateInput, GenerationFailed
 from protos import generation_pb2, generation_pb2_grpc, stage_pb2, stage_pb2_grpc
 from services.batch import MicroBatch, Segment
 from services.config import MiB, StageConfig

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from coordinator.drafts.base import DraftNode, Proposals
-from coordinator.drafts.model import ModelDraft
-from coordinator.drivers.inprocess import InProcessPipeline
-from coordinator.schedulers.base import Request
-from coordinator.schedulers.specpipe import SpecPipeScheduler
+from coordinator.core.drafts.base import DraftNode, Proposals
+from coordinator.core.drafts.model import ModelDraft
+from coordinator.engine.transports.inprocess import InProcessPipeline
+from coordinator.core.schedulers.base import Request
+from coordinator.core.schedulers.specpipe import SpecPipeScheduler
 from drafts import AlwaysWrong, always_right
 from reference import hf_greedy, prompts
 from services.batch import Control, MicroBatch, Segment

@@ -1,4 +1,4 @@
-"""NgramDraft (coordinator/drafts/ngram.py): prompt lookup over the committed text plus a node's path.
+"""NgramDraft (coordinator/core/drafts/ngram.py): prompt lookup over the committed text plus a node's path.
 
 Expected proposals are worked out by hand from the module docstring and the DraftSource contract."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from coordinator.drafts.base import DraftNode, DraftSource
-from coordinator.drafts.ngram import NgramDraft
+from coordinator.core.drafts.base import DraftNode, DraftSource
+from coordinator.core.drafts.ngram import NgramDraft
 
 
 def last_prompt_node(prompt: list[int]) -> DraftNode:

@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from coordinator.config import CoordinatorConfig
-from coordinator.openai_schema import ApiError, ParseContext, parse_chat, parse_completion
-from coordinator.server import start, start_http
+from coordinator.frontends.openai.schema import ApiError, ParseContext, parse_chat, parse_completion
+from coordinator.frontends.server import start, start_http
 from reference import byte_tokenizer, hf_greedy
 from stage_servers import stage_servers
 

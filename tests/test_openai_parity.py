@@ -17,14 +17,14 @@ import aiohttp
 import openai
 import pytest
 
-import coordinator.generation_defaults as generation_defaults_module
-import coordinator.openai_extras as extras_module
-import coordinator.openai_fields as fields_module
-import coordinator.openai_schema as schema_module
+import coordinator.frontends.openai.defaults as generation_defaults_module
+import coordinator.frontends.openai.extras as extras_module
+import coordinator.frontends.openai.fields as fields_module
+import coordinator.frontends.openai.schema as schema_module
 from coordinator.config import CoordinatorConfig
-from coordinator.generation_defaults import GenerationDefaults, load_generation_defaults
-from coordinator.openai_api import served_model_name
-from coordinator.openai_schema import ApiError, ParseContext, parse_chat, parse_completion
+from coordinator.frontends.openai.defaults import GenerationDefaults, load_generation_defaults
+from coordinator.frontends.openai.api import served_model_name
+from coordinator.frontends.openai.schema import ApiError, ParseContext, parse_chat, parse_completion
 from reference import byte_tokenizer, hf_greedy
 from test_openai_api import GREEDY, api, chat_model, client, serving  # noqa: F401 - api, chat_model: fixtures
 

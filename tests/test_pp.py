@@ -6,10 +6,10 @@ import asyncio
 import pytest
 
 from coordinator.config import CoordinatorConfig
-from coordinator.drivers.inprocess import InProcessPipeline
-from coordinator.schedulers.base import Request
-from coordinator.schedulers.pp import PPScheduler
-from coordinator.service import Coordinator, GenerateInput
+from coordinator.engine.transports.inprocess import InProcessPipeline
+from coordinator.core.schedulers.base import Request
+from coordinator.core.schedulers.pp import PPScheduler
+from coordinator.frontends.service import Coordinator, GenerateInput
 from reference import hf_greedy, prompts
 from stage_servers import local_processes
 from test_shard import make_runners

@@ -11,10 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.drafts.base import DraftSource
-from coordinator.schedulers.base import Broadcast, Emit, Request, RequestState
-from coordinator.schedulers.specpipe import SpecPipeScheduler
-from coordinator.tree import POLICIES, TokenTree
+from coordinator.core.drafts.base import DraftSource
+from coordinator.core.schedulers.base import Broadcast, Emit, Request, RequestState
+from coordinator.core.schedulers.specpipe import SpecPipeScheduler
+from coordinator.core.tree import POLICIES, TokenTree
 from fuzz_harness import check_invariants
 from services.batch import MicroBatch, Segment, StageTrace
 from services.kv_cache import CacheGeometry, RequestKV

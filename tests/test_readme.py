@@ -154,7 +154,7 @@ def bash_script(block: Block) -> tuple[str, list[str]]:
             args = local_server_args(command)
             if args is None:
                 continue
-            from coordinator.cli import build_parser      # the README's flags must exist and match our ports
+            from coordinator.cli.main import build_parser      # the README's flags must exist and match our ports
             parsed = build_parser().parse_args(["local", *args])
             if (parsed.host, parsed.port, parsed.http_port) != ("127.0.0.1", GRPC_PORT, HTTP_PORT):
                 raise ValueError(f"README.md:{block.line + 1 + start}: {command.strip()!r} serves other ports "

@@ -1,6 +1,6 @@
 """Stage failure: SIGKILL real stage processes mid-generation; streams pause and go on, exact, exactly once.
 
-The stages are processes as `specpipe local` starts them (coordinator/local.py), supervised (a dead one is
+The stages are processes as `specpipe local` starts them (coordinator/cli/local.py), supervised (a dead one is
 restarted on its port, as Kubernetes restarts a pod); the coordinator serves the public gRPC API.
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ import grpc
 import pytest
 
 from coordinator.config import CoordinatorConfig
-from coordinator.local import LocalStages
-from coordinator.server import start
+from coordinator.cli.local import LocalStages
+from coordinator.frontends.server import start
 from protos import generation_pb2, generation_pb2_grpc, stage_pb2, stage_pb2_grpc
 from reference import hf_greedy
 
@@ -138,7 +138,7 @@ async def test_a_stage_that_does_not_come_back_ends_streams_with_unavailable(tin
 
 async def test_a_new_coordinator_releases_what_a_dead_one_left_on_the_stages(tiny_model, tiny_hf):
     """A coordinator that vanishes mid-request leaves KV on the stages; the next one to connect frees it."""
-    from coordinator.service import Coordinator, GenerateInput
+    from coordinator.frontends.service import Coordinator, GenerateInput
     from stage_servers import stage_servers
     async with stage_servers(str(tiny_model), 2, stage_time_ms="20") as (addrs, servicers):
         config = CoordinatorConfig(stages=tuple(addrs), model=str(tiny_model), recovery_timeout_s=0)
@@ -169,7 +169,7 @@ async def test_a_new_coordinator_releases_what_a_dead_one_left_on_the_stages(tin
 
 async def _break_when_streaming(coord, got: list[int], at: int, why: str) -> None:
     """Wait until `at` tokens have streamed and no recovery runs, then break the current pipeline (as its
-    failure detection would: coordinator/drivers/grpc.py)."""
+    failure detection would: coordinator/engine/transports/grpc.py)."""
     while len(got) < at or coord.recovery.running or coord.pipeline is None or coord.engine.suspended:
         await asyncio.sleep(0.005)
     broken = coord.pipeline
@@ -181,7 +181,7 @@ async def _break_when_streaming(coord, got: list[int], at: int, why: str) -> Non
 async def test_a_pipeline_that_fails_again_while_recovering_is_recovered_again(tiny_model, tiny_hf):
     """The pipeline opened by a recovery breaks at once (a flapping stage): the recovery runs again and the
     stream still ends exact, exactly once."""
-    from coordinator.service import Coordinator, GenerateInput
+    from coordinator.frontends.service import Coordinator, GenerateInput
     from stage_servers import stage_servers
     async with stage_servers(str(tiny_model), 2, stage_time_ms="15") as (addrs, servicers):
         coord = await Coordinator.connect(CoordinatorConfig(stages=tuple(addrs), model=str(tiny_model),
@@ -226,8 +226,8 @@ async def test_failures_between_which_a_request_progresses_are_survived_but_a_po
     """A rolling restart (a failure after every few tokens) is survived however often it happens; a request
     that makes no progress through MAX_FRUITLESS failures in a row (its prefill may be what kills a stage)
     ends with INTERNAL; what it streamed is exact; the coordinator serves on."""
-    from coordinator.engine import MAX_FRUITLESS
-    from coordinator.service import Coordinator, GenerateInput, GenerationFailed
+    from coordinator.engine.engine import MAX_FRUITLESS
+    from coordinator.frontends.service import Coordinator, GenerateInput, GenerationFailed
     from stage_servers import stage_servers
     async with stage_servers(str(tiny_model), 2, stage_time_ms="150") as (addrs, _):
         coord = await Coordinator.connect(CoordinatorConfig(stages=tuple(addrs), model=str(tiny_model),
@@ -265,8 +265,8 @@ async def test_failures_between_which_a_request_progresses_are_survived_but_a_po
 async def test_a_stage_failure_while_a_repartition_drains_is_carried_onto_the_new_pipeline(tiny_model8, tiny_hf8):
     """kubectl scale 3 -> 2 removes a pod that still serves: its streams break during the drain. The running
     and the queued requests go on, exact, on the new 2-stage pipeline; nothing is left on the stages."""
-    from coordinator.scaling import Repartitioner
-    from coordinator.service import Coordinator, GenerateInput
+    from coordinator.engine.scaling import Repartitioner
+    from coordinator.frontends.service import Coordinator, GenerateInput
     from stage_servers import stage_servers
     async with stage_servers(str(tiny_model8), 3, stage_time_ms="30") as (addrs, servicers):
         coord = await Coordinator.connect(CoordinatorConfig(stages=tuple(addrs), model=str(tiny_model8),
@@ -353,7 +353,7 @@ async def test_a_hung_stage_is_noticed_by_the_health_probe(tiny_model, tiny_hf):
 async def test_the_recovery_timeout_holds_even_when_a_step_of_the_recovery_is_slow(tiny_model, tiny_hf):
     """A reconnect step that hangs past --recovery-timeout-s (a stage slow to answer its Results stream):
     the held streams end with UNAVAILABLE while it still hangs; once it ends, serving resumes."""
-    from coordinator.service import Coordinator, GenerateInput, GenerationFailed
+    from coordinator.frontends.service import Coordinator, GenerateInput, GenerationFailed
     from stage_servers import stage_servers
     async with stage_servers(str(tiny_model), 2, stage_time_ms="20") as (addrs, _):
         coord = await Coordinator.connect(CoordinatorConfig(stages=tuple(addrs), model=str(tiny_model),

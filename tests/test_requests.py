@@ -1,11 +1,11 @@
-"""Unit tests for coordinator/requests.py: request validation against model and server limits."""
+"""Unit tests for coordinator/core/validate.py: request validation against model and server limits."""
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
 
-from coordinator.requests import InvalidRequest, Limits, Params, check, check_prompt_size
+from coordinator.core.validate import InvalidRequest, Limits, Params, check, check_prompt_size
 
 LIMITS = Limits(vocab_size=100, max_position=50, default_max_new_tokens=10, max_new_tokens_cap=32)
 METHODS = ["greedy", "spec"]

@@ -9,11 +9,11 @@ import random
 import pytest
 import torch
 
-from coordinator.drafts.model import ModelDraft
-from coordinator.drivers.inprocess import InProcessPipeline
-from coordinator.schedulers.base import Request
-from coordinator.schedulers.registry import SpecOptions, make_scheduler
-from coordinator.verify import verify_children
+from coordinator.core.drafts.model import ModelDraft
+from coordinator.engine.transports.inprocess import InProcessPipeline
+from coordinator.core.schedulers.base import Request
+from coordinator.core.schedulers.registry import SpecOptions, make_scheduler
+from coordinator.core.verify import verify_children
 from services.model.shard import load_causal_lm
 from services.sampling import Sampling, gumbel, sample, warp
 from test_shard import make_runners
@@ -183,7 +183,7 @@ def test_rejection_verification_gives_the_target_distribution(small_vocab, metho
 
 
 def test_a_wrong_verifier_is_caught_end_to_end(small_vocab, monkeypatch):
-    import coordinator.schedulers.specpipe as sp
+    import coordinator.core.schedulers.specpipe as sp
     monkeypatch.setattr(sp, "verify_children", wrong_verify)
     s = Sampling(1.0)
     probs = exact_first_two(small_vocab[0], [1, 5, 2], s)

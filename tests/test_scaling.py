@@ -8,9 +8,9 @@ import asyncio
 import pytest
 
 from coordinator.config import CoordinatorConfig
-from coordinator.scaling import Repartitioner, plan
-from coordinator.server import start
-from coordinator.service import GenerateInput, GenerationFailed
+from coordinator.engine.scaling import Repartitioner, plan
+from coordinator.frontends.server import start
+from coordinator.frontends.service import GenerateInput, GenerationFailed
 from reference import hf_greedy, prompts
 from stage_servers import stage_servers
 
@@ -79,7 +79,7 @@ async def test_kubectl_scale_of_the_statefulset_is_followed(kmock, tiny_model8, 
     pipeline: 4 -> 2, a scale to 4 waits until 4 stages are ready, then 1."""
     from kubernetes import client
 
-    from coordinator.k8s import watch_statefulset
+    from coordinator.engine.k8s import watch_statefulset
 
     kmock.resources.load_bundled()
     conf = client.Configuration()
@@ -131,8 +131,8 @@ async def test_kubectl_scale_of_the_statefulset_is_followed(kmock, tiny_model8, 
 
 async def test_repartition_with_stage_processes(tiny_model8, tiny_hf8):
     """The same path over real stage processes (as `specpipe local` starts them): 3 -> 2 -> 3, counted."""
-    from coordinator.local import LocalStages
-    from coordinator.scaling import REPARTITIONS
+    from coordinator.cli.local import LocalStages
+    from coordinator.engine.scaling import REPARTITIONS
 
     ok = REPARTITIONS.labels("ok")
     before = ok._value.get()
@@ -164,10 +164,10 @@ async def test_a_failed_repartition_answers_unavailable_and_can_be_retried(tiny_
         server, coord = await start(CoordinatorConfig(stages=tuple(addrs), model=str(tiny_model8), port=0,
                                                       max_new_tokens_cap=64, default_max_new_tokens=16))
         try:
-            from coordinator.local import free_port
+            from coordinator.cli.local import free_port
             targets = {0: addrs[0], 1: addrs[1], 2: f"127.0.0.1:{free_port()}"}     # nothing listens there
             rep = Repartitioner(coord, lambda i: targets[i])
-            import coordinator.scaling as scaling
+            import coordinator.engine.scaling as scaling
             real = scaling.configure
             scaling.configure = lambda p, timeout_s=2.0, attempts=1, tls=None: real(p, timeout_s, attempts, tls)
             try:

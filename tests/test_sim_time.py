@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from coordinator.bench import BenchConfig, Variant, summarize, table
-from coordinator.drafts.base import DraftNode
-from coordinator.drivers.simulated import SimulatedPipeline
-from coordinator.schedulers.base import Emit, Finish, Request
+from coordinator.bench.run import BenchConfig, Variant, summarize, table
+from coordinator.core.drafts.base import DraftNode
+from coordinator.engine.transports.simulated import SimulatedPipeline
+from coordinator.core.schedulers.base import Emit, Finish, Request
 from services.config import describe_draft_time, parse_draft_time
 
 
@@ -50,7 +50,7 @@ def test_bench_config_validates_the_draft_time():
 
 async def test_cli_draft_time_needs_simulate():
     """Refused before any model is resolved (cmd_bench directly: cli.main would point the logs at capsys)."""
-    from coordinator.cli import build_parser, cmd_bench
+    from coordinator.cli.main import build_parser, cmd_bench
     with pytest.raises(ValueError, match="--draft-time-ms .*add --simulate"):
         await cmd_bench(build_parser().parse_args(["bench", "--draft-time-ms", "5"]))
     with pytest.raises(ValueError, match="draft time '5\\+x' is not of the form"):
@@ -119,8 +119,8 @@ def test_simulated_pipeline_rejects_a_bad_model():
 
 # -- the counters ------------------------------------------------------------------------------------------------
 def test_model_draft_counts_calls_and_rows(tiny_model):
-    from coordinator.drafts.model import ModelDraft
-    from coordinator.drafts.ngram import NgramDraft
+    from coordinator.core.drafts.model import ModelDraft
+    from coordinator.core.drafts.ngram import NgramDraft
     from services.model.shard import load_causal_lm
 
     d = ModelDraft(load_causal_lm(str(tiny_model), torch.float32, "cpu"))
@@ -142,8 +142,8 @@ def test_model_draft_counts_calls_and_rows(tiny_model):
 
 # -- end to end: results.json and the charged time ---------------------------------------------------------------
 def _sim(tiny_model8, tmp_path, draft_time_ms: str, name: str) -> dict:
-    from coordinator.bench import write_results
-    from coordinator.bench_sim import run_simulated
+    from coordinator.bench.run import write_results
+    from coordinator.bench.sim import run_simulated
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt_token_ids": [5, 6, 7]}))
     cfg = BenchConfig(stages=[2], methods=["pp", "sps"], widths=[4], policies=["hybrid"], stage_time_ms="10",

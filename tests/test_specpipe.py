@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.drafts.model import ModelDraft, check_same_tokenizer, quantized_copy
-from coordinator.drafts.ngram import NgramDraft
-from coordinator.drivers.inprocess import InProcessPipeline
-from coordinator.schedulers.base import Request
-from coordinator.schedulers.specpipe import SpecPipeScheduler
-from coordinator.tree import POLICIES
+from coordinator.core.drafts.model import ModelDraft, check_same_tokenizer, quantized_copy
+from coordinator.core.drafts.ngram import NgramDraft
+from coordinator.engine.transports.inprocess import InProcessPipeline
+from coordinator.core.schedulers.base import Request
+from coordinator.core.schedulers.specpipe import SpecPipeScheduler
+from coordinator.core.tree import POLICIES
 from drafts import AlwaysWrong, always_right
 from reference import hf_greedy, prompts
 from services.model.shard import load_causal_lm
@@ -111,7 +111,7 @@ class Broken(NgramDraft):
 
 @pytest.mark.parametrize("method", ["specpipe", "sps", "pipeinfer"])
 def test_a_failing_draft_fails_its_request_and_frees_everything(tiny_model8, method):
-    from coordinator.schedulers.registry import SpecOptions, make_scheduler
+    from coordinator.core.schedulers.registry import SpecOptions, make_scheduler
     runners = make_runners(tiny_model8, 2, layers=8)
     sched = make_scheduler(method, 2, SpecOptions(Broken()))
     out = InProcessPipeline(runners).run(sched, [Request("r", [3, 4, 5], 8)])

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from coordinator.config import CoordinatorConfig
-from coordinator.service import Coordinator, GenerateInput
+from coordinator.frontends.service import Coordinator, GenerateInput
 from reference import hf_greedy, prompts
 from stage_servers import local_processes
 

@@ -1,4 +1,4 @@
-"""Stop strings and token counts (coordinator/service.py `_generate`): a chunk of committed ids that holds a
+"""Stop strings and token counts (coordinator/frontends/service.py `_generate`): a chunk of committed ids that holds a
 stop string streams only the ids up to the one completing it, and the token metrics and the final stats
 count those ids only — so `token_ids`, `return_token_ids` and `usage.completion_tokens` agree.
 
@@ -16,11 +16,11 @@ import openai
 import pytest
 
 from coordinator.config import CoordinatorConfig
-from coordinator.live import Finished
-from coordinator.metrics import RequestMetrics
-from coordinator.requests import Limits
-from coordinator.service import Chunk, Coordinator, GenerateInput
-from coordinator.text import PromptEncoder
+from coordinator.engine.live import Finished
+from coordinator.frontends.metrics import RequestMetrics
+from coordinator.core.validate import Limits
+from coordinator.frontends.service import Chunk, Coordinator, GenerateInput
+from coordinator.core.text import PromptEncoder
 from reference import hf_greedy
 from test_openai_api import byte_tokenizer, serving, text_of
 

@@ -1,4 +1,4 @@
-"""Unit tests for coordinator/text.py: TextStream (UTF-8 hold-back, stop strings, kept ids, incremental
+"""Unit tests for coordinator/core/text.py: TextStream (UTF-8 hold-back, stop strings, kept ids, incremental
 decoding) and PromptEncoder. Tokenizers: a byte-level fake here, the real default model's in
 tests/test_text_real.py."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.text import PromptEncoder, TextStream
+from coordinator.core.text import PromptEncoder, TextStream
 
 
 def decode(ids: list[int]) -> str:

@@ -1,4 +1,4 @@
-"""TextStream (coordinator/text.py) with the real default model's tokenizer (SmolLM2, byte-level BPE): the
+"""TextStream (coordinator/core/text.py) with the real default model's tokenizer (SmolLM2, byte-level BPE): the
 incremental text equals decoding all ids at once — characters split over tokens (emoji, CJK) included —
 however the ids are chunked, and stop strings spanning chunks cut the text and the kept ids exactly."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.text import PromptEncoder, TextStream
+from coordinator.core.text import PromptEncoder, TextStream
 from services.model.loader import ensure_default_model
 
 TEXT = "Hello 😀 world, 日本語の文章 — naïve café ☃🎉👩‍👩‍👧 END of it, ¿sí?"

@@ -1,4 +1,4 @@
-"""TokenTree (coordinator/tree.py): growth policies, verification (commit / restart), queries.
+"""TokenTree (coordinator/core/tree.py): growth policies, verification (commit / restart), queries.
 
 Expected values are worked out by hand from the module's docstring contract."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.tree import POLICIES, TokenTree
+from coordinator.core.tree import POLICIES, TokenTree
 
 
 def make_tree(root_id: int = 0, root_token: int = 50, root_depth: int = 0) -> TokenTree:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.drivers.inprocess import InProcessPipeline
-from coordinator.schedulers.base import Request
-from coordinator.schedulers.registry import SpecOptions, make_scheduler
+from coordinator.engine.transports.inprocess import InProcessPipeline
+from coordinator.core.schedulers.base import Request
+from coordinator.core.schedulers.registry import SpecOptions, make_scheduler
 from reference import hf_greedy, prompts
 from test_shard import make_runners
 from test_specpipe import make_draft

@@ -1,0 +1,112 @@
+"""`specpipe bench --simulate`: the same schedulers and real model outputs on a simulated clock
+(coordinator/engine/transports/simulated.py), so S in {2, 4, 8, 16, 32} can be swept in minutes on a small machine.
+
+One in-process runner holds every layer and computes at stage 0; the other stages only take the modelled
+time `a + b * rows`. The draft's work is charged to the coordinator by the draft-time model
+(`--draft-time-ms`, services/config.py parse_draft_time): by default each draft model call costs
+0.3 x the stage-time model (0.3a ms + 0.3b ms per row), or its measured CPU time with `measured`.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import replace
+
+import torch
+
+from services.config import describe_draft_time, parse_draft_time, parse_dtype, parse_stage_time
+from services.model.shard import load_shard
+from services.runner import StageRunner
+
+from coordinator.bench.run import BenchConfig, Variant, load_prompts, summarize
+from coordinator.core.drafts.factory import build_draft
+from coordinator.engine.transports.simulated import SimulatedPipeline
+from coordinator.core.schedulers.base import Request
+from coordinator.core.schedulers.registry import SpecOptions, make_scheduler
+from coordinator.frontends.service import load_tokenizer
+from coordinator.core.text import PromptEncoder
+
+
+def run_simulated(cfg: BenchConfig, hop_ms: float = 0.3, log=print) -> dict:
+    torch.set_num_threads(max(1, cfg.threads))
+    prompts = load_prompts(cfg.prompts, cfg.num_prompts)
+    stage_time = parse_stage_time(cfg.stage_time_ms)
+    if stage_time == (0.0, 0.0):
+        raise ValueError("--simulate needs a stage time model (--stage-time-ms A[+B])")
+    draft_time = parse_draft_time(cfg.draft_time_ms, stage_time)
+    runner = StageRunner(load_shard(cfg.model, 0, None, parse_dtype(cfg.dtype), cfg.device), stage_index=0)
+    draft = build_draft(cfg.draft, cfg.model, device=cfg.device)
+    tokenizer, _ = load_tokenizer(cfg.model)
+    encoder = PromptEncoder(tokenizer)
+    token_ids = [p.get("prompt_token_ids") or encoder.encode(p["prompt"], chat=not p.get("raw", False))
+                 for p in prompts]
+    ids = itertools.count()
+    rows = []
+    for num_stages in cfg.stages:
+        if cfg.load:
+            rows += _levels(cfg, num_stages, runner, draft, token_ids, stage_time, draft_time, hop_ms, log)
+            continue
+        runs: dict[Variant, list[dict]] = {v: [] for v in cfg.variants}
+        for pi, prompt in enumerate(token_ids):
+            for v in cfg.variants:
+                spec = replace(SpecOptions(draft), **v.overrides())
+                sched = make_scheduler(v.method, num_stages, spec)
+                pipe = SimulatedPipeline([runner], stage_time, num_stages=num_stages, hop_ms=hop_ms,
+                                         draft_time=draft_time)
+                rid = f"sim{next(ids)}"
+                calls, drows = (draft.calls, draft.rows) if draft is not None else (0, 0)
+                o = pipe.run(sched, [Request(rid, prompt, cfg.max_new_tokens)], draft=draft)[rid]
+                stats = dict(o.stats, tbt_ms=o.tbt_ms, ttft_ms=o.ttft_ms, wall_ms=o.end_ms - o.start_ms,
+                             draft_ms=pipe.draft_ms)      # the draft time charged on the simulated clock
+                if draft is not None:
+                    stats.update(draft_calls=draft.calls - calls, draft_rows=draft.rows - drows)
+                runs[v].append(stats)
+                log(f"  simulated S={num_stages} prompt {pi + 1}/{len(prompts)} {v.label}: tbt {o.tbt_ms:.1f} ms, "
+                    f"{stats.get('tokens_per_step', 0):.2f} tok/step")
+        for v in cfg.variants:
+            row = summarize(v, num_stages, runs[v], stage_time)
+            steps = sum(r["steps"] for r in runs[v])
+            row.update(simulated=True, stage_compute_ms=[], compute_overrun_stages=[], compute_ms_per_step=None,
+                       machine_bound=False,
+                       draft_calls_per_step=sum(r.get("draft_calls", 0) for r in runs[v]) / steps if steps else 0.0,
+                       draft_rows_per_step=sum(r.get("draft_rows", 0) for r in runs[v]) / steps if steps else 0.0)
+            rows.append(row)
+    return {"config": {"stages": cfg.stages, "variants": [v.label for v in cfg.variants], "simulate": True,
+                       "stage_time_ms": cfg.stage_time_ms, "emulated_stage_time": True, "hop_ms": hop_ms,
+                       "max_new_tokens": cfg.max_new_tokens, "num_prompts_used": len(prompts), "model": cfg.model,
+                       "draft": cfg.draft,
+                       "draft_time_ms": {"measured_scale": draft_time[1]} if draft_time[0] == "measured" else
+                       {"per_call_ms": draft_time[0], "per_row_ms": draft_time[1]},
+                       "draft_time_model": describe_draft_time(cfg.draft_time_ms, draft_time),
+                       "concurrency": cfg.concurrency, "rounds": cfg.rounds, "node_budget": cfg.node_budget,
+                       "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+            "rows": rows}
+
+
+def _levels(cfg: BenchConfig, num_stages: int, runner: StageRunner, draft, token_ids: list[list[int]],
+            stage_time: tuple[float, float], draft_time, hop_ms: float, log) -> list[dict]:
+    """The concurrency sweep on the simulated clock: at level c, c clients each send `rounds` requests one
+    after another (prompts in turn), as bench_load does with real processes, so levels this machine could
+    not host as processes (32, 64, 128 clients) can be measured. One row per (level, variant)."""
+    from coordinator.bench.load import level_row
+    rows = []
+    for c in cfg.concurrency:
+        for v in cfg.variants:
+            spec = replace(SpecOptions(draft), **{"node_budget": cfg.node_budget, **v.overrides()})
+            sched = make_scheduler(v.method, num_stages, spec)
+            pipe = SimulatedPipeline([runner], stage_time, num_stages=num_stages, hop_ms=hop_ms, draft_time=draft_time)
+            reqs = [Request(f"c{c}-{v.label}-{i}", token_ids[i % len(token_ids)], cfg.max_new_tokens)
+                    for i in range(c * cfg.rounds)]
+            out = pipe.run(sched, reqs, draft=draft, clients=c)
+            runs = [dict(o.stats, tbt_ms=o.tbt_ms, ttft_ms=o.ttft_ms, wall_ms=o.end_ms - o.start_ms)
+                    for o in out.values()]
+            wall_s = max(o.end_ms for o in out.values()) / 1e3
+            row = level_row(v, num_stages, c, runs, wall_s, stage_time)
+            row.update(simulated=True, stage_compute_ms=[], compute_overrun_stages=[], compute_ms_per_step=None,
+                       machine_bound=False, draft_ms=pipe.draft_ms,     # the coordinator's modelled draft time
+                       draft_share=pipe.draft_ms / (wall_s * 1e3) if wall_s else 0.0)
+            rows.append(row)
+            log(f"  simulated S={num_stages} c={c} {v.label}: {row['throughput_tok_s']:.2f} tok/s, tbt p50 "
+                f"{row['tbt_ms_p50']:.0f} ms p90 {row['tbt_ms_p90']:.0f} ms, ttft p50 {row['ttft_ms_p50']:.0f} ms "
+                f"p90 {row['ttft_ms_p90']:.0f} ms ({len(runs)} requests, {wall_s:.1f} s simulated)")
+    return rows

@@ -1,0 +1,400 @@
+"""The `specpipe` command line: run, local, generate, bench, stage, coordinator.
+
+Errors reach the user as one line, `specpipe: error: ...`, exit code 1 (Ctrl-C: 130); SPECPIPE_DEBUG=1 shows
+the traceback instead.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from typing import TYPE_CHECKING, NoReturn
+
+from services.logs import configure
+
+if TYPE_CHECKING:                       # imported lazily at run time: `specpipe generate` needs no torch
+    from coordinator.cli.local import LocalStages
+    from coordinator.frontends.service import GenerateInput
+
+EXAMPLES = """examples:
+  specpipe run "What is the capital of France?" --stages 4
+  specpipe run "def fib(n):" --raw --method pp --max-new-tokens 32 --json
+  specpipe run "Write a haiku." --stages 8 --draft quant --width 16 --tree-policy best-first --stage-time-ms 120
+  specpipe local --stages 4 --port 50051          # then, in another shell:
+  specpipe generate "Hello!" --addr 127.0.0.1:50051
+"""
+BENCH_EXAMPLES = """examples:
+  specpipe bench --stages 8 --stage-time-ms 120 --methods pp,specpipe --widths 1,4,16 \\
+      --tree-policies layer,best-first --out out/bench
+  specpipe bench --simulate --stages 4,8,16,32 --stage-time-ms 120 --out out/sim
+  specpipe bench --simulate --stages 8 --stage-time-ms 120+0.25 --draft-time-ms 36+0.075 --out out/sim8
+  specpipe bench --concurrency 1,4,8,16 --methods cb-pp,specpipe --stages 4 --out out/load
+"""
+LOCAL_EXAMPLES = """examples:
+  specpipe local --stages 4 --port 50051                      # serve until Ctrl-C
+  specpipe local --stages 2 --method pp --max-active 8 --kv-limit-mb 512
+  specpipe local --stages 4 --metrics-port 9160    # metrics: coordinator :9160, stages :9161-9164
+  specpipe local --model ~/models/Qwen2.5-0.5B-Instruct --stages 4 --device cuda --dtype bfloat16
+then, in another shell:
+  specpipe generate "Name three rivers." --addr 127.0.0.1:50051
+"""
+GENERATE_EXAMPLES = """examples:
+  specpipe generate "Name three rivers." --addr 127.0.0.1:50051
+  specpipe generate "def fib(n):" --raw --max-new-tokens 32 --method sps --json
+  specpipe generate "Tell a story." --temperature 0.8 --top-p 0.95 --seed 7 --stop "The end"
+  SPECPIPE_API_TOKEN=... specpipe generate "Hi" --addr api.example.com:443 --tls-ca ca.crt
+
+The text streams to stdout; one summary line goes to stderr at the end:
+  [32 tokens (length), 1.94 tokens/step, 21.3 ms between tokens, first token after 140 ms, 0.82 s]
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (`specpipe: error: ...`, exit code 1) instead of usage + message, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(1, f"specpipe: error: {message} (see `{self.prog} --help`)\n")
+
+
+def add_spec_arguments(p: argparse.ArgumentParser) -> None:
+    from coordinator.config import add_spec_arguments as add      # imports torch: only where needed
+    add(p)
+
+
+def spec_kwargs(args: argparse.Namespace) -> dict:
+    from coordinator.config import spec_kwargs as kwargs
+    return kwargs(args)
+
+
+def _generation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="prompt text")
+    p.add_argument("--method", default="",
+                   help="specpipe, pp, cb-pp, sps, tree or pipeinfer (default: the server's, specpipe)")
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--chat", dest="raw", action="store_false", default=False,
+                      help="apply the model's chat template (default)")
+    mode.add_argument("--raw", dest="raw", action="store_true", help="send the prompt as is")
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of text")
+
+
+def _pipeline_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stages", type=int, default=4, help="number of stage processes")
+    p.add_argument("--model", default="default", help="HF folder; 'default' = embedded SmolLM2-135M-Instruct")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per stage")
+    p.add_argument("--stage-time-ms", default="0", help="emulated stage time A or A+B ms (per step + per row)")
+    add_spec_arguments(p)
+
+
+def _top_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
+    parser = _Parser(prog="specpipe", description="Pipeline-parallel LLM serving with speculative decoding.",
+                     epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return parser, parser.add_subparsers(dest="command", required=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser, sub = _top_parser()
+    p = sub.add_parser("run", help="start a local pipeline, generate once, stop", epilog=EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _generation_args(p)
+    _pipeline_args(p)
+    p = sub.add_parser("local", help="serve a local pipeline (stages + coordinator) until Ctrl-C",
+                       epilog=LOCAL_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _pipeline_args(p)
+    p.add_argument("--port", type=int, default=50051, help="coordinator port")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--method", default="specpipe", help="default method")
+    p.add_argument("--max-active", type=int, default=64, help="requests running at once")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests waiting for admission; more are refused with RESOURCE_EXHAUSTED")
+    p.add_argument("--kv-limit-mb", type=float, default=0.0,
+                   help="K/V memory limit of every stage for all requests together (0 = none)")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="port of the OpenAI-compatible HTTP API (/v1/chat/completions, ...; 0 = off)")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="Prometheus metrics: the coordinator on this port, stage i on this port + 1 + i (0 = off)")
+    _add_generate(sub)
+    p = sub.add_parser("bench", help="methods side by side over a local pipeline; writes DIR/results.json",
+                       epilog=BENCH_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from coordinator.bench.run import main_args
+    main_args(p)
+    sub.add_parser("stage", help="serve one pipeline stage (container entrypoint; see `specpipe stage --help`)",
+                   add_help=False)
+    sub.add_parser("coordinator", help="serve the public API over stages (container entrypoint; see "
+                   "`specpipe coordinator --help`)", add_help=False)
+    return parser
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="stream a generation from a running coordinator",
+                       epilog=GENERATE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _generation_args(p)
+    p.add_argument("--addr", default="127.0.0.1:50051", help="coordinator HOST:PORT")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before the call is given up")
+    p.add_argument("--tls-ca", default=os.environ.get("SPECPIPE_API_TLS_CA", ""),
+                   help="connect over TLS, trusting this CA bundle (PEM)")
+    p.add_argument("--insecure", action="store_true",
+                   help="send --token without TLS to another machine (only on a trusted network)")
+    p.add_argument("--token", default=os.environ.get("SPECPIPE_API_TOKEN", ""),
+                   help="bearer token of the API (prefer the SPECPIPE_API_TOKEN environment variable)")
+
+
+def _generate_parser() -> argparse.ArgumentParser:
+    """`specpipe generate` alone: it needs neither torch nor the pipeline options, so it starts fast."""
+    parser, sub = _top_parser()
+    _add_generate(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _dispatch(argv)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:   # one clear line, not a traceback
+        if os.environ.get("SPECPIPE_DEBUG"):
+            raise
+        print(f"specpipe: error: {error_message(e)}", file=sys.stderr, flush=True)
+        return 1
+
+
+def _dispatch(argv: list[str]) -> int:
+    command = argv[0] if argv else ""
+    if command == "generate":
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")    # no gRPC core INFO lines (TLS handshakes) on stderr
+    if command == "stage":
+        from services.server import main as stage_main
+        return stage_main(argv[1:])
+    if command == "coordinator":
+        from coordinator.frontends.server import main as coordinator_main
+        return coordinator_main(argv[1:])
+    args = (_generate_parser() if command == "generate" else build_parser()).parse_args(argv)
+    # one-shot commands keep the terminal for the text; `local` shows its service logs
+    configure(level=None if args.command == "local" or os.environ.get("SPECPIPE_LOG_LEVEL") else "warning")
+    if args.command == "generate":
+        return cmd_generate(args)
+    commands = {"run": cmd_run, "local": cmd_local, "bench": cmd_bench}
+    return asyncio.run(commands[args.command](args))
+
+
+def error_message(e: BaseException) -> str:
+    """What the user reads after `specpipe: error: `: the server's details for a failed call, the message
+    otherwise (a multi-line message, say a stage's log tail, keeps its further lines below)."""
+    import grpc
+
+    from client import SpecPipeError
+
+    if isinstance(e, SpecPipeError):
+        if e.refused:
+            return f"cannot reach the coordinator at {e.addr} (is `specpipe local` running?)"
+        if e.unreachable:
+            hint = (" (a TLS server? then give --tls-ca)" if "Socket closed" in e.message else
+                    " (a plaintext server? then drop --tls-ca)" if "WRONG_VERSION_NUMBER" in e.message else
+                    " (check --tls-ca and the server's certificate)" if "andshake" in e.message else "")
+            return f"cannot reach the coordinator at {e.addr}: {e.message}{hint}"
+        if e.code == "DEADLINE_EXCEEDED":
+            return f"{e.addr} did not finish within the timeout (--timeout)"
+        return f"{e.message} ({e.code})"
+    if isinstance(e, grpc.RpcError) and hasattr(e, "details"):
+        return f"{e.details()} ({e.code().name})"
+    text = str(e).strip()
+    if not text:
+        return type(e).__name__
+    return text if isinstance(e, (ValueError, RuntimeError, OSError)) else f"{type(e).__name__}: {text}"
+
+
+def _input(args: argparse.Namespace) -> GenerateInput:
+    from coordinator.frontends.service import GenerateInput
+    return GenerateInput(prompt=args.prompt, raw=args.raw, max_new_tokens=args.max_new_tokens,
+                         method=args.method, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                         seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+async def _start_local(args: argparse.Namespace) -> tuple[str, LocalStages]:
+    from coordinator.cli.local import LocalStages
+    from coordinator.cli.progress import resolve_with_progress
+
+    model = await asyncio.to_thread(resolve_with_progress, args.model)
+    stages = LocalStages(args.stages, model=model, dtype=args.dtype, device=args.device,
+                         threads=args.threads, stage_time_ms=args.stage_time_ms,
+                         kv_limit_mb=getattr(args, "kv_limit_mb", 0.0),
+                         metrics_port=getattr(args, "metrics_port", 0))
+    stages.start()
+    print(f"specpipe: starting {args.stages} stage process(es) (logs in {stages.log_dir})", file=sys.stderr)
+    began, ready = time.monotonic(), []
+
+    def on_ready(i: int) -> None:
+        ready.append(i)
+        print(f"specpipe: stage {i} ready ({len(ready)}/{args.stages}, {time.monotonic() - began:.1f} s)",
+              file=sys.stderr, flush=True)
+    try:
+        await stages.wait_ready(on_ready=on_ready)
+    except BaseException:
+        stages.stop()
+        raise
+    return model, stages
+
+
+async def cmd_run(args: argparse.Namespace) -> int:
+    from coordinator.config import CoordinatorConfig
+    from coordinator.frontends.service import Coordinator
+
+    model, stages = await _start_local(args)
+    coordinator = None
+    try:
+        config = CoordinatorConfig(stages=tuple(stages.addresses), model=model, method=args.method or "specpipe",
+                                   max_new_tokens_cap=1 << 20, **spec_kwargs(args))
+        coordinator = await Coordinator.connect(config)
+        started = time.perf_counter()
+        text, ids, last = [], [], None
+        async for chunk in coordinator.generate(_input(args)):
+            text.append(chunk.text)
+            ids.extend(chunk.token_ids)
+            if not args.json and chunk.text:
+                print(chunk.text, end="", flush=True)
+            last = chunk
+        wall = time.perf_counter() - started
+        stats = last.stats or {}
+        result = {"text": "".join(text), "token_ids": ids, "method": config.method, "stages": args.stages,
+                  "finish_reason": last.finish_reason,
+                  "steps": int(stats.get("steps", 0)), "tokens_per_step": stats.get("tokens_per_step", 0.0),
+                  "tbt_ms": stats.get("tbt_ms", 0.0), "ttft_ms": stats.get("ttft_ms", 0.0),
+                  "prompt_tokens": int(stats.get("prompt_tokens", 0)), "wall_s": wall,
+                  "counters": {k: v for k, v in stats.items() if k not in ("steps", "tokens_per_step",
+                               "tbt_ms", "ttft_ms", "prompt_tokens", "wall_ms")}}
+        if args.json:
+            print(json.dumps(result))
+        else:
+            print()
+            print(summary_line(len(ids), last.finish_reason, stats.get("tokens_per_step", 0.0),
+                               stats.get("tbt_ms", 0.0), stats.get("ttft_ms", 0.0), stats.get("wall_ms", 0.0) / 1e3),
+                  file=sys.stderr, flush=True)
+        return 0
+    finally:
+        if coordinator is not None:
+            await coordinator.close()
+        stages.stop()
+
+
+def summary_line(tokens: int, finish_reason: str, tokens_per_step: float, tbt_ms: float, ttft_ms: float,
+                 wall_s: float) -> str:
+    """The one line `specpipe run` and `specpipe generate` print to stderr after the text (from the final
+    stats: mean time between tokens, time to first token, the server's wall time)."""
+    return (f"[{tokens} tokens ({finish_reason or 'unfinished'}), {tokens_per_step:.2f} tokens/step, "
+            f"{tbt_ms:.1f} ms between tokens, first token after {ttft_ms:.0f} ms, {wall_s:.2f} s]")
+
+
+async def cmd_local(args: argparse.Namespace) -> int:
+    from coordinator.config import CoordinatorConfig
+    from coordinator.frontends.openai.api import served_model_name
+    from coordinator.frontends.server import start, start_http
+
+    model, stages = await _start_local(args)
+    supervisor = asyncio.create_task(stages.supervise())      # a stage process that dies is restarted
+    server = coordinator = http = None
+    try:
+        config = CoordinatorConfig(stages=tuple(stages.addresses), model=model, host=args.host,
+                                   port=args.port, method=args.method, max_active=args.max_active,
+                                   max_queue=args.max_queue, served_model_name=(served_model_name(args.model),),
+                                   **spec_kwargs(args))
+        server, coordinator = await start(config)
+        if args.metrics_port:
+            from prometheus_client import start_http_server
+            start_http_server(args.metrics_port, addr=args.host)
+            print(f"specpipe: metrics at http://{args.host}:{args.metrics_port}/metrics (stage i: port "
+                  f"{args.metrics_port} + 1 + i)", file=sys.stderr)
+        if args.http_port:
+            http = await start_http(config, coordinator, args.http_port)
+        where = f"{args.host}:{server.port} (specpipe.v1.Generation)"
+        if http is not None:
+            where += f" and http://{args.host}:{http.port}/v1 (OpenAI API, model {http.model!r})"
+        print(f"specpipe: serving {args.stages} stage(s) at {where}; Ctrl-C stops", file=sys.stderr, flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        print("specpipe: stopping", file=sys.stderr)
+        return 0
+    finally:
+        if http is not None:
+            await http.stop()
+        if server is not None:
+            await server.stop(2.0)
+        if coordinator is not None:
+            await coordinator.close()
+        supervisor.cancel()
+        stages.stop()
+
+
+async def cmd_bench(args: argparse.Namespace) -> int:
+    from coordinator.bench.run import config_from_args, log_stderr, run_bench, table
+    from coordinator.cli.progress import resolve_with_progress
+
+    if args.draft_time_ms is not None and not args.simulate:
+        raise ValueError("--draft-time-ms models the draft's time on the simulated clock: add --simulate, or drop "
+                         "it (real runs time the draft as it runs)")
+    cfg = config_from_args(args)
+    cfg.model = await asyncio.to_thread(resolve_with_progress, cfg.model)
+    if args.simulate and (cfg.temperature or cfg.verifies):
+        raise ValueError("--simulate runs greedy requests; drop --temperature and --verifies, or --simulate")
+    if args.simulate:
+        from coordinator.bench.run import write_results
+        from coordinator.bench.sim import run_simulated
+        result = write_results(await asyncio.to_thread(run_simulated, cfg, log=log_stderr), cfg.out)
+    else:
+        result = await run_bench(cfg, log=log_stderr)
+    print(table(result))
+    print(f"results: {cfg.out}/results.json; plots: {', '.join(result.get('plots', []))}", file=sys.stderr)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Stream the text to stdout, then one summary line to stderr (or, with --json, one JSON object)."""
+    from client import Client
+
+    options = dict(raw=args.raw, method=args.method, max_new_tokens=args.max_new_tokens,
+                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                   stop=args.stop, ignore_eos=args.ignore_eos)
+    with Client(args.addr, tls_ca=args.tls_ca or None, token=args.token or None, timeout=args.timeout,
+                insecure=args.insecure) as client:
+        stream = client.generate(args.prompt, **options)
+        printed = False
+        try:
+            for delta in stream:
+                if not args.json:
+                    print(delta, end="", flush=True)
+                    printed = True
+        except BaseException:
+            if printed:
+                print(flush=True)          # the error (or Ctrl-C) starts a line of its own
+            raise
+        done = stream.result
+    s = done.stats
+    if args.json:
+        print(json.dumps({"text": done.text, "token_ids": done.token_ids, "finish_reason": done.finish_reason,
+                          "steps": s.steps, "tokens_per_step": s.tokens_per_step, "tbt_ms": s.tbt_ms,
+                          "ttft_ms": s.ttft_ms, "prompt_tokens": s.prompt_tokens, "wall_s": done.wall_s,
+                          "request_id": done.request_id, "counters": s.counters}))
+    else:
+        print(flush=True)
+        print(summary_line(len(done.token_ids), done.finish_reason, s.tokens_per_step, s.tbt_ms, s.ttft_ms,
+                           s.wall_ms / 1e3), file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,94 @@
+"""The draft-source interface: who proposes the children of tree nodes.
+
+A draft source keeps its own per-request state (for a model: a KV cache over the same node ids the
+stages use) and follows the scheduler's commits and prunes, so it never recomputes the prefix.
+
+Contract, per request:
+    begin(rid, prompt, sampling, keep_q)   the prompt is committed as nodes 0..n-1; proposals follow the
+                                           request's sampling (below); keep_q: remember each expanded
+                                           node's warped distribution for `take_q`
+    expand(rid, nodes, k) -> proposals     for each node (its parent already expanded, or earlier in
+                                           `nodes`), up to k (token, log-prob) children, best first
+    expand_many([(rid, nodes), ...], k)    the same for several requests at once (one model call where
+                                           the source can batch); a failed request's entry is the exception
+    commit(rid, ids, tokens) / prune(rid, ids)   mirror the tree (prune takes subtrees)
+    release(rid)                           forget the request
+
+Proposals when sampling (services/sampling.py): the children are the top k of the warped draft log-probs
+plus Gumbel noise — the target's own noise at that position for `match` verification (so the first child
+is the token the target most likely draws), the draft's own noise for `rejection` (a draw without
+replacement) — in that order, with scores that never increase along it.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from services.sampling import GREEDY, Sampling
+
+
+@dataclass(frozen=True)
+class DraftNode:
+    node_id: int
+    parent_id: int
+    position: int
+    token: int
+
+
+Proposals = list[list[tuple[int, float]]]
+
+
+class DraftSource(ABC):
+    name = "draft"
+
+    def __init__(self) -> None:
+        self.compute_s = 0.0        # time spent proposing, for the draft-time share
+        # model calls made and rows they computed (prefills included), for the simulated clock's modelled
+        # draft time (coordinator/engine/transports/simulated.py); 0 for sources that run no model (ngram). Read them
+        # only as `draft.calls` / `draft.rows`: a composite source sums its parts'.
+        self.calls = 0
+        self.rows = 0
+
+    @abstractmethod
+    def begin(self, request_id: str, prompt_ids: list[int], sampling: Sampling = GREEDY,
+              keep_q: bool = False) -> None: ...
+
+    def begin_many(self, jobs: list[tuple[str, list[int], Sampling, bool]]) -> list[Exception | None]:
+        """`begin` for several requests (request id, prompt ids, sampling, keep_q); a model draft prefills
+        them all in one call. Each request's failure is its own (None: begun)."""
+        out: list[Exception | None] = []
+        for rid, prompt, sampling, keep_q in jobs:
+            try:
+                self.begin(rid, prompt, sampling, keep_q)
+                out.append(None)
+            except Exception as e:
+                out.append(e)
+        return out
+
+    @abstractmethod
+    def expand(self, request_id: str, nodes: list[DraftNode], k: int) -> Proposals: ...
+
+    def expand_many(self, jobs: list[tuple[str, list[DraftNode]]], k: int) -> list[Proposals | Exception]:
+        out: list[Proposals | Exception] = []
+        for rid, nodes in jobs:
+            try:
+                out.append(self.expand(rid, nodes, k))
+            except Exception as e:      # one request's failure is its own
+                out.append(e)
+        return out
+
+    def take_q(self, request_id: str, node_id: int) -> torch.Tensor | None:
+        """The warped distribution [vocab] the children of an expanded node were drawn from (kept only
+        with keep_q; None for sources without one: their children count as point masses)."""
+        return None
+
+    def commit(self, request_id: str, node_ids: list[int], tokens: list[int]) -> None:
+        pass
+
+    def prune(self, request_id: str, node_ids: list[int]) -> None:
+        pass
+
+    def release(self, request_id: str) -> None:
+        pass

@@ -1,0 +1,132 @@
+"""`quant+ngram`: the quant model draft's children plus free prompt-lookup proposals (issue 14, item 5).
+
+Per node, the children are the model's top k (its order, its scores) merged with the n-gram's first
+`max_extra` (2) proposals; a token both propose is one child, with the model's score. An n-gram-only token
+is scored by the model's own log-prob of it, read from the log-prob row the model computes for that node
+anyway (ModelDraft.expand_many(extra=...); the warped log-prob when sampling); one outside the model's
+(warped) support is dropped. The merged list is sorted by score (stable: the model's children keep their
+order), so children stay best first with non-increasing scores, and a node has at most k + max_extra.
+
+Worked example (greedy, k = 2): at a node the model's probabilities are 7: 0.5, 3: 0.25, 9: 0.15, 4: 0.05, ...
+    model  [(7, log .5), (3, log .25)]          n-gram  [(4, log 2/3), (7, log 1/3)]
+    merged [(7, log .5), (3, log .25), (4, log .05)]
+7 is one child with the model's score; 4 gets the model's log .05, not its n-gram frequency. When greedy an
+n-gram-only token therefore ranks after every model child (its log-prob is at most the k-th largest), and
+the tree ranks its subtree by the model's cumulative log-prob like any other node; when sampling, the
+model's children are ordered by log q plus noise, so an n-gram token can land between them.
+
+Why this is lossless: with greedy or `match` verification the committed token is always the target's own
+(greedy or seeded sample), whatever the children are; extra children only add chances of a hit. With
+`rejection` verification the children of a node must be draws without replacement from the draft's q
+(coordinator/core/verify.py accepts child j with min(1, p/q) using that q), and deterministic n-gram tokens
+mixed in are not such draws: a request begun with keep_q gets exactly the model's proposals, and the
+n-gram part never sees it.
+
+`compute_s`, `calls` and `rows` are the parts' sums (plus this wrapper's own merge time in compute_s), so
+the bench charges model calls as for `quant`; the n-gram runs no model and adds no calls or rows.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from services.sampling import GREEDY, Sampling
+
+from coordinator.core.drafts.base import DraftNode, DraftSource, Proposals
+from coordinator.core.drafts.model import ModelDraft
+from coordinator.core.drafts.ngram import NgramDraft
+
+
+def _summed(attr: str) -> property:
+    """The parts' `attr` plus this source's own (what DraftSource.__init__ and later assignments set)."""
+    own = "_own_" + attr
+
+    def get(self):
+        return getattr(self, own) + getattr(self.model, attr) + getattr(self.ngram, attr)
+
+    def set_(self, value) -> None:
+        setattr(self, own, value)
+
+    return property(get, set_)
+
+
+class CombinedDraft(DraftSource):
+    compute_s = _summed("compute_s")
+    calls = _summed("calls")
+    rows = _summed("rows")
+
+    def __init__(self, model: ModelDraft, ngram: NgramDraft | None = None, max_extra: int = 2,
+                 name: str = "quant+ngram") -> None:
+        if max_extra < 0:
+            raise ValueError("max_extra must be 0 or more")
+        self.model, self.ngram = model, ngram if ngram is not None else NgramDraft()
+        super().__init__()
+        self.name, self.max_extra = name, max_extra
+        self.merged: set[str] = set()          # requests with n-gram proposals (not `rejection`)
+
+    def begin(self, request_id: str, prompt_ids: list[int], sampling: Sampling = GREEDY,
+              keep_q: bool = False) -> None:
+        self.model.begin(request_id, prompt_ids, sampling, keep_q)
+        self.merged.discard(request_id)
+        if not keep_q:                         # rejection needs children drawn from q: model only
+            self.ngram.begin(request_id, prompt_ids, sampling, keep_q)
+            self.merged.add(request_id)
+
+    def begin_many(self, jobs: list[tuple[str, list[int], Sampling, bool]]) -> list[Exception | None]:
+        out = self.model.begin_many(jobs)
+        for (rid, prompt_ids, sampling, keep_q), error in zip(jobs, out):
+            self.merged.discard(rid)
+            if error is None and not keep_q:
+                self.ngram.begin(rid, prompt_ids, sampling, keep_q)
+                self.merged.add(rid)
+        return out
+
+    def expand(self, request_id: str, nodes: list[DraftNode], k: int) -> Proposals:
+        result = self.expand_many([(request_id, nodes)], k)[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def expand_many(self, jobs: list[tuple[str, list[DraftNode]]], k: int) -> list[Proposals | Exception]:
+        """The n-gram's proposals first (cheap), then one model call that also scores them."""
+        failed: dict[int, Exception] = {}
+        extra: list[list[list[int]]] = []
+        for j, (rid, nodes) in enumerate(jobs):
+            tokens: list[list[int]] = [[] for _ in nodes]
+            if rid in self.merged and nodes and self.max_extra:
+                try:
+                    tokens = [[t for t, _ in props] for props in self.ngram.expand(rid, nodes, self.max_extra)]
+                except Exception as e:         # one request's failure is its own
+                    failed[j] = e
+            extra.append(tokens)
+        results = self.model.expand_many(jobs, k, extra=extra)
+        started = time.perf_counter()
+        out: list[Proposals | Exception] = []
+        for j, result in enumerate(results):
+            if j in failed:
+                out.append(failed[j])
+            elif isinstance(result, Exception) or jobs[j][0] not in self.merged:
+                out.append(result)
+            else:                              # stable: the model's children keep their order
+                out.append([sorted(props, key=lambda p: -p[1]) for props in result])
+        self._own_compute_s += time.perf_counter() - started
+        return out
+
+    def take_q(self, request_id: str, node_id: int) -> torch.Tensor | None:
+        return self.model.take_q(request_id, node_id)
+
+    def commit(self, request_id: str, node_ids: list[int], tokens: list[int]) -> None:
+        self.model.commit(request_id, node_ids, tokens)
+        if request_id in self.merged:
+            self.ngram.commit(request_id, node_ids, tokens)
+
+    def prune(self, request_id: str, node_ids: list[int]) -> None:
+        self.model.prune(request_id, node_ids)
+        if request_id in self.merged:
+            self.ngram.prune(request_id, node_ids)
+
+    def release(self, request_id: str) -> None:
+        self.model.release(request_id)
+        self.ngram.release(request_id)
+        self.merged.discard(request_id)

@@ -1,0 +1,217 @@
+"""Model drafts: a full copy of a small model (or of the target, int8-quantized) run through the same
+StageRunner as the stages, so the draft's KV cache holds nodes and follows commits and prunes.
+
+- `quant`: the target with every Linear dynamically quantized to int8 (CPU; ~3x cheaper there, ~78%
+  greedy agreement with SmolLM2-135M). torch's dynamic quantization has no CUDA kernels, so on a GPU the
+  `quant` draft is a bfloat16 copy of the target instead.
+- `model`: a separate draft model folder (same tokenizer as the target, checked at start).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from services.batch import Control, MicroBatch, Segment
+from services.model.shard import LlamaShard, load_causal_lm
+from services.sampling import GREEDY, Sampling, gumbel, warp
+from services.runner import StageRunner
+
+from coordinator.core.drafts.base import DraftNode, DraftSource, Proposals
+
+
+class ModelDraft(DraftSource):
+    def __init__(self, model: nn.Module, name: str = "model") -> None:
+        super().__init__()
+        self.name = name
+        self.runner = StageRunner(LlamaShard(model, 0, model.config.num_hidden_layers), stage_index=-1)
+        self._batch = 0
+        self.sampling: dict[str, tuple[Sampling, bool]] = {}       # request -> (sampling, keep_q)
+        self._q: dict[tuple[str, int], torch.Tensor] = {}          # (request, node) -> [vocab] warped log q
+
+    def begin(self, request_id: str, prompt_ids: list[int], sampling: Sampling = GREEDY,
+              keep_q: bool = False) -> None:
+        """Prefill all prompt tokens but the last; the scheduler expands the last one."""
+        error = self.begin_many([(request_id, prompt_ids, sampling, keep_q)])[0]
+        if error is not None:
+            raise error
+
+    def begin_many(self, jobs: list[tuple[str, list[int], Sampling, bool]]) -> list[Exception | None]:
+        """One prefill call for the prompts of every request in `jobs` (each without its last token)."""
+        segments = []
+        for rid, prompt_ids, sampling, keep_q in jobs:
+            self.sampling[rid] = (sampling, keep_q)
+            n = len(prompt_ids)
+            nodes = list(range(n))
+            self.runner.apply(Control(rid, commit=nodes))
+            if n > 1:
+                segments.append(Segment(rid, nodes[:-1], [-1] + nodes[:-2], list(range(n - 1)), prompt_ids[:-1],
+                                        [False] * (n - 1)))
+        failed: dict[str, Exception] = {}
+        if segments:
+            try:
+                out = self._step(segments, want=False)
+            except Exception as e:               # the call failed as a whole: every request in it
+                return [e if len(prompt) > 1 else None for _, prompt, *_ in jobs]
+            failed = {s.request_id: RuntimeError(f"draft rejected nodes: {s.error}") for s in out.segments if s.error}
+        return [failed.get(rid) for rid, *_ in jobs]
+
+    def expand(self, request_id: str, nodes: list[DraftNode], k: int) -> Proposals:
+        result = self.expand_many([(request_id, nodes)], k)[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def expand_many(self, jobs: list[tuple[str, list[DraftNode]]], k: int,
+                    extra: list[list[list[int]]] | None = None) -> list[Proposals | Exception]:
+        """One forward of the draft over the nodes of every request in `jobs`.
+
+        extra (optional, for CombinedDraft): per job, per node, more tokens to score from the same log-prob
+        rows; each one not among the node's k children and inside the draft's support is appended after
+        them as (token, the draft's log-prob of it: the warped one when sampling), in the given order. The
+        appended part is not sorted into the children: the caller merges."""
+        wanted = {rid: {n.node_id: toks for n, toks in zip(nodes, ex)}
+                  for (rid, nodes), ex in zip(jobs, extra)} if extra is not None else {}
+        segments = [Segment(rid, [n.node_id for n in nodes], [n.parent_id for n in nodes],
+                            [n.position for n in nodes], [n.token for n in nodes], [True] * len(nodes))
+                    for rid, nodes in jobs if nodes]
+        if not segments:
+            return [[] for _ in jobs]
+        out = self._step(segments, want=True)
+        by_request: dict[str, dict[int, list[tuple[int, float]]] | Exception] = {}
+        row = 0
+        for seg in out.segments:
+            if seg.error:
+                by_request[seg.request_id] = RuntimeError(f"draft rejected nodes: {seg.error}")
+                continue
+            n = seg.rows                     # every kept row asked for output
+            rows, row = out.logprobs[row:row + n], row + n
+            by_request[seg.request_id] = dict(zip(seg.node_ids,
+                                                  self._propose(seg, rows, k, wanted.get(seg.request_id))))
+        results: list[Proposals | Exception] = []
+        for rid, nodes in jobs:
+            got = by_request.get(rid, {})
+            results.append(got if isinstance(got, Exception) else [got.get(n.node_id, []) for n in nodes])
+        return results
+
+    def _propose(self, seg: Segment, logprobs: torch.Tensor, k: int,
+                 extra: dict[int, list[int]] | None = None) -> Proposals:
+        """Children of each row: the top k by log-prob when greedy; when sampling, the top k of the warped
+        log-probs plus noise (coupled with the target's for match, the draft's own for rejection). `extra`:
+        node -> tokens to append with their scores (see expand_many)."""
+        sampling, keep_q = self.sampling.get(seg.request_id, (GREEDY, False))
+        k = min(k, logprobs.shape[-1])
+        if sampling.greedy:
+            top = logprobs.topk(k, dim=-1)
+            out = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+            return self._append_extra(seg, logprobs, out, extra) if extra else out
+        q = warp(logprobs, sampling)
+        positions = [p + 1 for p in seg.positions]
+        keys = q + gumbel(sampling.seed, positions, q.shape[-1], q.device, salt=1 if keep_q else 0)
+        order = keys.topk(k, dim=-1)
+        out = []
+        for i, nid in enumerate(seg.node_ids):
+            if keep_q:
+                self._q[(seg.request_id, nid)] = q[i]
+            props, score, best = [], 0.0, float(q[i].max())
+            for j, (tok, key) in enumerate(zip(order.indices[i].tolist(), order.values[i].tolist())):
+                if key == float("-inf"):
+                    break                    # outside the warped support
+                score = best if j == 0 else min(score, float(q[i, tok]))
+                props.append((tok, score))
+            out.append(props)
+        return self._append_extra(seg, q, out, extra) if extra else out
+
+    @staticmethod
+    def _append_extra(seg: Segment, scores: torch.Tensor, out: Proposals,
+                      extra: dict[int, list[int]]) -> Proposals:
+        """Append each extra token of a row that is not a child yet, scored by its row of `scores`."""
+        vocab = scores.shape[-1]
+        for i, nid in enumerate(seg.node_ids):
+            have = {t for t, _ in out[i]}
+            for tok in extra.get(nid, ()):
+                if tok in have or not 0 <= tok < vocab:
+                    continue
+                score = float(scores[i, tok])
+                if score != float("-inf"):       # outside the (warped) support: never a child
+                    have.add(tok)
+                    out[i].append((tok, score))
+        return out
+
+    def take_q(self, request_id: str, node_id: int) -> torch.Tensor | None:
+        return self._q.pop((request_id, node_id), None)
+
+    def _run(self, seg: Segment, want: bool) -> MicroBatch:
+        out = self._step([seg], want)
+        if out.segments and out.segments[0].error:
+            raise RuntimeError(f"draft rejected nodes: {out.segments[0].error}")
+        return out
+
+    def _step(self, segments: list[Segment], want: bool) -> MicroBatch:
+        started = time.perf_counter()
+        self._batch += 1
+        batch = MicroBatch(self._batch, segments, return_logprobs=want)
+        self.calls += 1
+        self.rows += batch.rows
+        out = self.runner.step(batch)
+        self.compute_s += time.perf_counter() - started
+        return out
+
+    def commit(self, request_id: str, node_ids: list[int], tokens: list[int]) -> None:
+        self.runner.apply(Control(request_id, commit=node_ids))
+
+    def prune(self, request_id: str, node_ids: list[int]) -> None:
+        self.runner.apply(Control(request_id, prune=node_ids))
+
+    def release(self, request_id: str) -> None:
+        self.runner.apply(Control(request_id, release=True))
+        self.sampling.pop(request_id, None)
+        for key in [key for key in self._q if key[0] == request_id]:
+            del self._q[key]
+
+
+QUANT_MAX_PARAMS = 3_000_000_000     # above this a copy of the target is no draft: use --draft model
+
+
+def parameter_count(model_ref: str) -> int:
+    """Parameters of a model from its config alone (built on the meta device: nothing is loaded)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_ref))
+    return sum(p.numel() for p in model.parameters())
+
+
+def quantized_copy(model_ref: str, device: str = "cpu", max_params: int = QUANT_MAX_PARAMS) -> nn.Module:
+    """The target with int8 dynamic quantization of every Linear (CPU), or a bf16 copy on CUDA. Refused for
+    a target above `max_params`: the copy would hold a second target in the coordinator's memory (a bf16 copy
+    on its GPU, or an fp32 load before quantization on its CPU) — a separate small draft model is the way."""
+    n = parameter_count(model_ref)
+    if n > max_params:
+        raise ValueError(f"--draft quant copies the target ({n / 1e9:.1f} B parameters; about "
+                         f"{n * (2 if str(device).startswith('cuda') else 4) / 2 ** 30:.0f} GiB while loading) into "
+                         f"the coordinator, above the limit of {max_params / 1e9:.1f} B: use --draft model "
+                         "--draft-model <a small model with the same tokenizer> (or --draft ngram)")
+    if str(device).startswith("cuda"):
+        return load_causal_lm(model_ref, torch.bfloat16, device)
+    model = load_causal_lm(model_ref, torch.float32, "cpu")
+    from torch.ao.quantization import quantize_dynamic
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+
+
+def check_same_tokenizer(target_ref: str, draft_ref: str) -> None:
+    """A separate draft must share the target's vocabulary token for token."""
+    from transformers import AutoConfig, AutoTokenizer
+    tv, dv = AutoConfig.from_pretrained(target_ref).vocab_size, AutoConfig.from_pretrained(draft_ref).vocab_size
+    if tv != dv:
+        raise ValueError(f"draft model {draft_ref} has a vocabulary of {dv} tokens, the target {tv}: "
+                         "a draft must use the target's tokenizer")
+    try:
+        tt, dt = AutoTokenizer.from_pretrained(target_ref), AutoTokenizer.from_pretrained(draft_ref)
+    except (OSError, ValueError, TypeError):
+        return   # folders without tokenizers (test models): the vocabulary size is all we can check
+    if tt.get_vocab() != dt.get_vocab():
+        raise ValueError(f"draft model {draft_ref} uses a different tokenizer from the target")

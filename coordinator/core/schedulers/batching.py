@@ -1,0 +1,145 @@
+"""Schedulers whose micro-batches carry rows of several requests (`cb-pp`, `specpipe` = SpecPipe-DB).
+
+The pipeline has S slots: at most S micro-batches are in flight in total, one per stage when the pipeline
+is full. Whenever a slot is free, `_dispatch` builds the next micro-batch from every *ready* request
+(its previous rows came back, its draft work is done) under a shared row budget (`node_budget`):
+
+1. Running requests first, the most valuable rows first (`_row_value`: specpipe ranks a request by the
+   chance that its next rows are used, so under load the budget goes to shallow rows and deep speculation
+   is what gives way), round-robin among equals. Each gets an equal share of the budget,
+   `share = max(1, node_budget // requests)` rows, counting every request the scheduler holds (running,
+   prefilling, or waiting for its rows to come back); the subclass may take fewer (`_next_rows`). A request
+   held alone is not capped by the budget (`_solo_share`: specpipe's width may exceed it).
+2. Prefill chunks then take up to `prefill_chunk` prompt rows, oldest request first — a budget of their own,
+   beside the decode rows (a long prompt is not cut into node-budget slices; on a GPU a step of 32 rows
+   and of 512 costs about the same). A prompt longer than that continues in the next micro-batch; the
+   pipeline keeps a request's micro-batches in order, so a chunk always finds the KV of the chunk before
+   it. Only the last prompt row asks for output.
+
+Decode rows never exceed `node_budget` except when a single request's rows alone do (a bonus node is never
+split, a lone request may use its whole width). Worked example, node_budget 8, prefill_chunk 6, S = 2,
+requests A (running), B (running), C (new, 10-token prompt): share = 8 // 3 = 2 -> A 2 rows, B 2 rows, C's
+first 6 prompt rows; the next free slot carries C's other 4 prompt rows beside whatever A and B have ready.
+"""
+from __future__ import annotations
+
+from abc import abstractmethod
+
+from services.batch import Control, MicroBatch, Segment
+
+from coordinator.core.schedulers.base import RequestState, Scheduler
+
+
+class BatchingScheduler(Scheduler):
+    def __init__(self, num_stages: int, node_budget: int = 32, prefill_chunk: int = 256) -> None:
+        super().__init__(num_stages)
+        if node_budget < 1 or prefill_chunk < 1:
+            raise ValueError("node_budget and prefill_chunk must be at least 1")
+        self.node_budget = node_budget
+        self.prefill_chunk = prefill_chunk
+        self.prefill_next: dict[str, int] = {}     # request -> index of its next prompt row to inject
+        self._turn = 0                             # round-robin offset over running requests
+
+    # -- hooks for subclasses -----------------------------------------------------------------------
+    @abstractmethod
+    def _ready(self, state: RequestState) -> bool:
+        """The request (prefill fully injected) may put rows into the next micro-batch."""
+
+    @abstractmethod
+    def _next_rows(self, state: RequestState, share: int) -> Segment | None:
+        """The request's rows for the next micro-batch (at most `share`, unless one indivisible row set
+        is larger), marked as injected; None when it has nothing to send."""
+
+    def _admitted(self, state: RequestState) -> None:
+        """The request's prompt nodes exist (state.committed) and are about to be prefilled."""
+
+    def _solo_share(self) -> int:
+        """Rows a request may take when it is the only one held (the budget shares rows between requests;
+        it does not cap a lone request)."""
+        return self.node_budget
+
+    def _share(self) -> int:
+        n = len(self.requests)
+        return self._solo_share() if n <= 1 else max(1, self.node_budget // n)
+
+    def _decode_cap(self) -> int:
+        """At most this many rows of running requests per micro-batch."""
+        return self.node_budget
+
+    def _row_value(self, state: RequestState) -> float:
+        """Expected worth of the request's next rows, for the order in which ready requests take the budget
+        (highest first; equal values keep the round-robin order). Every row of a plain method is worth the
+        same."""
+        return 1.0
+
+    # -- scheduler hooks ----------------------------------------------------------------------------
+    def _start(self, state: RequestState) -> None:
+        rid, prompt = state.request.request_id, state.request.prompt_ids
+        nodes = [state.new_node() for _ in prompt]
+        state.committed.extend(nodes)
+        self._broadcast(Control(rid, commit=nodes))
+        self.prefill_next[rid] = 0
+        self._admitted(state)
+        self._dispatch()
+
+    def on_result(self, batch: MicroBatch) -> None:
+        super().on_result(batch)
+        self._dispatch()
+
+    def _finish(self, state: RequestState, reason: str, error: str = "", error_code: int = 0) -> None:
+        self.prefill_next.pop(state.request.request_id, None)
+        super()._finish(state, reason, error, error_code)
+
+    # -- batching -----------------------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        """Fill free pipeline slots with micro-batches of ready requests."""
+        while self.in_flight < self.num_stages:
+            segments = self._gather()
+            if not segments:
+                return
+            self._inject(segments)
+
+    def _gather(self) -> list[Segment]:
+        rids = list(self.requests)
+        if rids:
+            k = self._turn % len(rids)
+            rids = rids[k:] + rids[:k]
+            self._turn += 1
+        prefilling = [r for r in self.requests if r in self.prefill_next]      # oldest first
+        running = [r for r in rids if r not in self.prefill_next and self._ready(self.requests[r])]
+        running.sort(key=lambda r: -self._row_value(self.requests[r]))      # stable: round-robin among equals
+        if not prefilling and not running:
+            return []
+        share = self._share()
+        solo = len(self.requests) == 1           # a lone request's decode rows are capped by its share only
+        segments: list[Segment] = []
+        left = share if solo else self.node_budget
+        decode_left = share if solo else self._decode_cap()
+        for rid in running:
+            if left <= 0 or decode_left <= 0:
+                break
+            seg = self._next_rows(self.requests[rid], min(share, left, decode_left))
+            if seg is not None and seg.rows:
+                segments.append(seg)
+                left -= seg.rows
+                decode_left -= seg.rows
+        prefill_left = self.prefill_chunk            # prompts have their own budget beside the decode rows
+        for rid in prefilling:
+            if prefill_left <= 0:
+                break
+            segments.append(self._prefill_chunk(self.requests[rid], prefill_left))
+            prefill_left -= segments[-1].rows
+        return segments
+
+    def _prefill_chunk(self, state: RequestState, rows: int) -> Segment:
+        rid, prompt = state.request.request_id, state.request.prompt_ids
+        start = self.prefill_next[rid]
+        end = min(len(prompt), start + rows)
+        nodes = state.committed[start:end]
+        parents = [state.committed[i - 1] if i else -1 for i in range(start, end)]
+        want = [i == len(prompt) - 1 for i in range(start, end)]
+        if end == len(prompt):
+            del self.prefill_next[rid]
+        else:
+            self.prefill_next[rid] = end
+        return Segment(rid, nodes, parents, list(range(start, end)), list(prompt[start:end]), want)

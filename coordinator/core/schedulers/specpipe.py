@@ -1,0 +1,295 @@
+"""`specpipe`: a dynamic speculative token tree grows into the pipeline every step (arXiv 2504.04104), so
+that ideally one token commits per pipeline step instead of one per S steps.
+
+Per request:
+1. The prompt goes in as a committed chain; the draft proposes children of its last token.
+2. While fewer than S micro-batches of the request are in flight, grow the tree (coordinator/core/tree.py) and
+   inject the chosen nodes as one micro-batch. Then the draft **runs ahead** (`work`): `rounds` batched
+   calls, each expanding the best not-yet-expanded nodes, injected or not, so that the next micro-batch can
+   take a node together with its already-proposed descendants (`best-first`, `hybrid`: a micro-batch spans
+   several layers and a branch that fell behind catches up in one step). `layer` is the paper's rule: one
+   layer per step, the draft expands only what was injected.
+3. When a micro-batch returns, record each node's target token and verify at the root: **hit** -> commit the
+   matching child, prune its siblings' subtrees; **miss** -> the target's token becomes the root: when the
+   draft had proposed it, that child and its expanded subtree (warm restart, `reroot`); else a fresh
+   **bonus** node, which the draft expands before it goes in, so it travels with its children.
+Commits and prunes are broadcast to every stage (which drop pruned rows they have not computed yet).
+
+Worked example (S = 4, best-first, width 4, rounds 2): the root r was injected with children a, b. The
+draft expanded a, b (round 1) and a's best child a1 (round 2). The next micro-batch is best-first over
+{a's and b's other children, a1's children...}: e.g. [a2, a1x, b1, a1y] spans depths 2 and 3.
+
+With several requests (SpecPipe-DB) every micro-batch carries the next rows of all ready requests under
+a shared node budget (coordinator/core/schedulers/batching.py): each request's width is
+min(width, node_budget // requests held) — a request alone may use its whole width — and the draft
+expands the nodes of all requests in one batched call per round.
+
+Greedy and lossless: every committed token is the target's argmax after the committed prefix.
+"""
+from __future__ import annotations
+
+from services.batch import Segment
+from services.sampling import uniform
+
+from coordinator.core.drafts.base import DraftNode, DraftSource
+from coordinator.core.schedulers.base import RequestState
+from coordinator.core.schedulers.batching import BatchingScheduler
+from coordinator.core.tree import POLICIES, TokenTree, TreeNode
+from coordinator.core.verify import VERIFIERS, verify_children
+
+
+class SpecPipeScheduler(BatchingScheduler):
+    name = "specpipe"
+
+    def __init__(self, num_stages: int, draft: DraftSource, width: int = 32, policy: str = "hybrid",
+                 topk: int = 16, node_budget: int = 32, verify: str = "match", rounds: int = 2,
+                 prefill_chunk: int = 256) -> None:
+        super().__init__(num_stages, node_budget, prefill_chunk)
+        if width < 1 or topk < 1 or rounds < 1:
+            raise ValueError("width, topk and rounds must be at least 1")
+        if policy not in POLICIES:
+            raise ValueError(f"unknown tree policy {policy!r}; choose from {', '.join(POLICIES)}")
+        if verify not in VERIFIERS:
+            raise ValueError(f"unknown verifier {verify!r}; choose from {', '.join(VERIFIERS)}")
+        self.verify = verify
+        self.draft, self.width, self.policy, self.topk = draft, width, policy, topk
+        self.rounds = 1 if policy == "layer" else rounds     # draft calls per step (run-ahead)
+        self.trees: dict[str, TokenTree] = {}
+        self.pending: dict[str, int] = {}            # request -> draft rounds still due since its last injection
+        self.begun: set[str] = set()                 # requests whose prompt the draft has seen
+        # committed nodes whose rows the draft never computed (a miss at a root whose result came back before
+        # the draft expanded it): they go in front of the request's next draft call, parents first
+        self.unseen: dict[str, list[DraftNode]] = {}
+        self.miss_batch: dict[str, int] = {}         # request -> first micro-batch id injected after its last miss
+
+    @property
+    def kv_rows_per_batch(self) -> int:
+        return self.width + 1
+
+    # -- scheduler hooks ----------------------------------------------------------------------------
+    def _admitted(self, state: RequestState) -> None:
+        rid, prompt = state.request.request_id, state.request.prompt_ids
+        for name in ("hits", "misses", "warm_restarts", "lag_steps", "refill_steps"):
+            state.count(name, 0)
+        root = state.committed[-1]
+        self.trees[rid] = TokenTree(root, prompt[-1], len(prompt) - 1, state.new_node)
+        self.pending[rid] = self.rounds     # the draft prefills and expands the root in work()
+
+    def _ready(self, state: RequestState) -> bool:
+        rid = state.request.request_id
+        root = self.trees[rid].root_node
+        cold = self.policy != "layer" and not root.injected and not root.expanded   # a bonus waits for its children
+        # at least one draft round since the last injection (the next growth needs its proposals)
+        return self.pending.get(rid, 0) < self.rounds and not cold and state.in_flight < self.num_stages
+
+    def _solo_share(self) -> int:
+        return max(self.width, self.node_budget)
+
+    def _row_value(self, state: RequestState) -> float:
+        """The chance that the request's next layer is used: its measured acceptance (hits and misses so far,
+        Laplace-smoothed) to the power of its micro-batches in flight — the next rows sit that many layers of
+        unverified speculation deep. A request with nothing in flight (new, or just after a miss) comes
+        first: its rows are sure to count, as a continuous-batching row is.
+
+            hits 8, misses 2, 3 batches in flight -> (9 / 12) ** 3 = 0.42;  nothing in flight -> 1.0
+        """
+        hits, misses = state.counters.get("hits", 0.0), state.counters.get("misses", 0.0)
+        return ((hits + 1.0) / (hits + misses + 2.0)) ** state.in_flight
+
+    @staticmethod
+    def _max_depth(state: RequestState, tree: TokenTree) -> int:
+        """The deepest position a node of this request can still be committed at."""
+        return tree.root_node.depth + state.request.max_new_tokens - len(state.generated)
+
+    def _next_rows(self, state: RequestState, share: int) -> Segment | None:
+        """The tree's next growth, at most min(width, share) nodes (`layer`: a bonus alone); the draft then
+        runs ahead in work()."""
+        rid = state.request.request_id
+        tree = self.trees[rid]
+        root = tree.root_node
+        if self.policy == "layer" and not root.injected:
+            root.injected = True
+            chosen = [root]
+        else:
+            chosen = [tree.nodes[i] for i in tree.select(self.policy, min(self.width, share),
+                                                         self._max_depth(state, tree), horizon=self.num_stages)]
+        if not chosen:
+            return None
+        parent = {tree.root: state.root_parent}
+        state.count("nodes_injected", len(chosen))
+        self.pending[rid] = self.rounds
+        return Segment(rid, [n.id for n in chosen], [parent.get(n.id, n.parent) for n in chosen],
+                       [n.depth for n in chosen], [n.token for n in chosen], [True] * len(chosen))
+
+    def _on_segment(self, state: RequestState, seg: Segment, outputs: list[int], logprobs=None) -> None:
+        tree = self.trees[state.request.request_id]
+        rejection = self._rejection(state)
+        i = 0
+        for node_id, want in zip(seg.node_ids, seg.want_output):
+            if want:
+                node = tree.nodes.get(node_id)
+                if node is not None:
+                    node.target_next = outputs[i]
+                    if rejection and logprobs is not None:
+                        node.target_p = logprobs[i]
+                i += 1
+        committed = len(state.generated)
+        misses = state.counters["misses"]
+        if self._verify(state, tree) and len(state.generated) == committed and state.counters["misses"] == misses:
+            # nothing committed: the pipeline was refilling after a miss, or the tree lagged behind it
+            stale = self._result_batch < self.miss_batch.get(state.request.request_id, -1)
+            state.count("refill_steps" if stale else "lag_steps")
+
+    def _rejection(self, state: RequestState) -> bool:
+        """This request samples and is verified by rejection (the last stage ships distributions)."""
+        return self.verify == "rejection" and not state.request.sampling.greedy
+
+    def _wants_logprobs(self, segments: list[Segment]) -> bool:
+        return any(self._rejection(self.requests[s.request_id]) for s in segments)
+
+    def _finish(self, state: RequestState, reason: str, error: str = "", error_code: int = 0) -> None:
+        rid = state.request.request_id
+        self.trees.pop(rid, None)
+        self.pending.pop(rid, None)
+        self.unseen.pop(rid, None)
+        self.miss_batch.pop(rid, None)
+        if rid in self.begun:
+            self.begun.discard(rid)
+            self.draft.release(rid)
+        super()._finish(state, reason, error, error_code)
+
+    # -- verification -------------------------------------------------------------------------------
+    def _verify(self, state: RequestState, tree: TokenTree) -> bool:
+        """Commit as far as the known target tokens allow. Returns False when the request finished."""
+        rid = state.request.request_id
+        rejection = self._rejection(state)
+        while tree.root_node.target_next is not None and (tree.root_node.target_p is not None or not rejection):
+            child, token = self._decide(state, tree) if rejection else \
+                (tree.matching_child(tree.root, tree.root_node.target_next), tree.root_node.target_next)
+            if child is not None:
+                state.count("hits")
+                pruned = tree.commit(child)
+                node = child
+            else:
+                state.count("misses")
+                self.miss_batch[rid] = self._next_batch
+                root = tree.root_node
+                # (with rejection an injected child outside the verified prefix may carry the token: cold restart)
+                proposed = next((c for c in root.children if tree.nodes[c].token == token
+                                 and not tree.nodes[c].injected), None)
+                carried = proposed is not None or any(tree.nodes[c].token == token for c in root.children)
+                state.count("misses_proposed_not_injected" if carried else "misses_not_proposed")
+                if proposed is not None and self.policy != "layer":
+                    state.count("warm_restarts")
+                    node, pruned = proposed, tree.reroot(proposed)
+                else:
+                    if not root.expanded:        # the bonus's parent must reach the draft before the bonus
+                        self.unseen.setdefault(rid, []).append(DraftNode(root.id, state.root_parent, root.depth,
+                                                                         root.token))
+                    node, pruned = tree.restart(token)
+                if self.policy != "layer" and not tree.root_node.expanded:
+                    self.pending[rid] = self.rounds           # the draft expands the new root before it goes in
+            if pruned.expanded:
+                self.draft.prune(rid, pruned.expanded)
+            self.draft.commit(rid, [node], [token])
+            if not self._commit(state, [node], [token], prune=pruned.injected):
+                return False
+            if child is None:
+                break             # the new root has no target token yet
+        return True
+
+    def _decide(self, state: RequestState, tree: TokenTree) -> tuple[int | None, int]:
+        """Rejection verification at the root: its injected children, in the draft's order up to the first
+        one not in flight, against the target's and the draft's distributions there."""
+        root = tree.root_node
+        children = []
+        for c in root.children:
+            if not tree.nodes[c].injected:
+                break
+            children.append(c)
+        u = uniform(state.request.sampling.seed, root.depth + 1, len(children) + 1, salt=2)
+        j, token = verify_children(root.target_p, root.q, [tree.nodes[c].token for c in children], u)
+        return (children[j] if j is not None else None), token
+
+    # -- growth -------------------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return bool(self.pending)
+
+    def work(self) -> None:
+        """One round of draft compute, kept out of the event handlers so that injections leave first (drivers
+        call it while `has_work`, sending the actions after each call): the draft prefills new prompts, then
+        one batched call (all requests with rounds due) expands, per request, `layer`: the injected nodes not
+        yet expanded; else its best not-yet-expanded nodes (`TokenTree.to_expand`, as many as its width).
+        Then the next micro-batch goes in if the pipeline has room: a bonus that waited for its children
+        leaves after the first round."""
+        due = list(self.pending)
+        new = [self.requests[rid] for rid in due if rid in self.requests and rid not in self.begun]
+        if new:                               # one prefill call for every new prompt
+            jobs = [(s.request.request_id, s.request.prompt_ids, s.request.sampling, self._rejection(s)) for s in new]
+            errors = self._timed(new, lambda: self.draft.begin_many(jobs),
+                                 weights=[len(s.request.prompt_ids) for s in new])
+            for state, error in zip(new, errors):
+                if error is None:
+                    self.begun.add(state.request.request_id)
+                else:                         # a failing draft fails its request, not the scheduler
+                    self._draft_failed(state, error)
+        width = min(self.width, self._share())
+        lead = self.num_stages if self.policy == "hybrid" else 0
+        expand = []
+        for rid in due:
+            if rid not in self.requests:
+                self.pending.pop(rid, None)
+                continue
+            self.pending[rid] -= 1
+            if self.pending[rid] <= 0:
+                del self.pending[rid]
+            state, tree = self.requests[rid], self.trees[rid]
+            limit = self._max_depth(state, tree)
+            if self.policy == "layer":
+                nodes = tree.to_expand(len(tree.nodes), limit, state.request.eos_ids, injected_only=True)
+            else:
+                nodes = tree.to_expand(width, limit, state.request.eos_ids, spine_lead=lead)
+            expand.append((rid, nodes))
+        self._expand(expand)
+        self._dispatch()
+
+    def _expand(self, jobs: list[tuple[str, list[TreeNode]]]) -> None:
+        """One draft call for the nodes of several requests; their proposals become children."""
+        jobs = [(rid, nodes) for rid, nodes in jobs if nodes]
+        if not jobs:
+            return
+        draft_jobs, skip = [], []
+        for rid, nodes in jobs:
+            state, tree = self.requests[rid], self.trees[rid]
+            parent_of_root = state.root_parent
+            unseen = self.unseen.pop(rid, [])
+            skip.append(len(unseen))
+            draft_jobs.append((rid, unseen + [DraftNode(n.id, parent_of_root if n.id == tree.root else n.parent,
+                                                        n.depth, n.token) for n in nodes]))
+        results = self._timed([self.requests[rid] for rid, _ in jobs],
+                              lambda: self.draft.expand_many(draft_jobs, self.topk),
+                              weights=[len(nodes) for _, nodes in jobs])
+        for (rid, nodes), proposals, extra in zip(jobs, results, skip):
+            if isinstance(proposals, Exception):
+                self._draft_failed(self.requests[rid], proposals)
+                continue
+            keep_q = self._rejection(self.requests[rid])
+            for n, props in zip(nodes, proposals[extra:]):
+                self.trees[rid].add_children(n.id, props)
+                if keep_q:
+                    n.q = self.draft.take_q(rid, n.id)
+
+    def _draft_failed(self, state: RequestState, error: Exception) -> None:
+        self._finish(state, "error", error=f"draft failed: {error!r}", error_code=13)
+
+    def _timed(self, states: list[RequestState], fn, weights: list[int] | None = None):
+        """Run draft compute and charge its time to the requests (in proportion to `weights`)."""
+        before = self.draft.compute_s
+        result = fn()
+        spent = (self.draft.compute_s - before) * 1e3
+        weights = weights or [1] * len(states)
+        total = sum(weights)
+        for state, w in zip(states, weights):
+            state.count("draft_ms", spent * w / total)
+        return result

@@ -1,0 +1,189 @@
+"""Changing the pipeline depth while serving (`kubectl scale statefulset/<release>-stage --replicas=N`).
+
+`Repartitioner.scale(n)` converges the pipeline to n stages:
+1. hold: new requests wait in the admission queue (bounded by --max-queue; beyond it RESOURCE_EXHAUSTED);
+2. drain: requests already running finish on the old pipeline (nothing is lost or restarted) — for at most
+   --drain-timeout-s; then the old pipeline is dropped and what still runs goes on on the new one from its
+   prompt plus the tokens it streamed (Engine.suspend / restart, as after a stage failure);
+3. re-partition: every stage 0..n-1 gets its even share of the layers and its next hop (Stage/Configure;
+   a stage reads only the layers it now holds);
+4. resume on the new pipeline (schedulers are rebuilt for the new depth), or, for n = 0, answer every
+   request with UNAVAILABLE and a message saying the stages were scaled to zero.
+Requests of the new target arriving while a re-partition runs are applied after it (the latest wins).
+
+    plan(["a:1", "b:1", "c:1"], 30) -> stage 0 layers [0, 10) -> b:1, stage 1 [10, 20) -> c:1, stage 2 [20, 30) last
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+from prometheus_client import Counter
+
+from protos import stage_pb2, stage_pb2_grpc
+from services.batch import Control
+from services.logs import get_logger
+from services.model.shard import even_split
+from services.tls import TLSFiles, open_channel
+from services.wire import control_to_proto
+
+log = get_logger(__name__)
+REPARTITIONS = Counter("specpipe_repartitions_total", "Pipeline re-partitions by outcome", ["outcome"])
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    address: str
+    stage: int
+    num_stages: int
+    first_layer: int
+    last_layer: int
+    next_hop: str
+
+
+def plan(addresses: list[str], num_layers: int) -> list[StagePlan]:
+    """The even layer split over the stages, each pointing at the next one."""
+    ranges = even_split(num_layers, len(addresses))
+    n = len(addresses)
+    return [StagePlan(a, i, n, f, l, addresses[i + 1] if i + 1 < n else "")
+            for i, (a, (f, l)) in enumerate(zip(addresses, ranges))]
+
+
+async def configure(p: StagePlan, timeout_s: float = 600.0, attempts: int = 20,
+                    tls: TLSFiles | None = None) -> stage_pb2.StageInfo:
+    """Configure one stage; retries while it still releases the KV of drained requests (the control stream
+    may deliver the releases a moment after the data plane went quiet)."""
+    if attempts < 1:
+        raise ValueError("attempts must be at least 1")
+    async with open_channel(p.address, tls) as channel:
+        stub = stage_pb2_grpc.StageStub(channel)
+        req = stage_pb2.ConfigureRequest(stage=p.stage, num_stages=p.num_stages, first_layer=p.first_layer,
+                                         last_layer=p.last_layer, next_hop=p.next_hop)
+        for attempt in range(1, attempts + 1):
+            try:
+                return await stub.Configure(req, timeout=timeout_s, wait_for_ready=True)
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.FAILED_PRECONDITION or attempt >= attempts:
+                    raise
+                await asyncio.sleep(0.1)
+
+
+async def release_held(addresses: list[str], also: set[str], tls: TLSFiles | None,
+                       timeout_s: float) -> list[stage_pb2.StageInfo]:
+    """With no pipeline open, everything the stages hold is stale: release it (plus `also`, requests that may
+    still be in flight towards them) on every stage; returns the stages' Info from before."""
+    infos = await asyncio.gather(*(_info(a, tls, timeout_s) for a in addresses))
+    await asyncio.gather(*(release(a, sorted(also | {r.request_id for r in info.requests}), tls, timeout_s)
+                           for a, info in zip(addresses, infos)))
+    return list(infos)
+
+
+async def _info(address: str, tls: TLSFiles | None, timeout_s: float) -> stage_pb2.StageInfo:
+    async with open_channel(address, tls) as channel:
+        return await stage_pb2_grpc.StageStub(channel).Info(stage_pb2.InfoRequest(), timeout=timeout_s,
+                                                             wait_for_ready=True)
+
+
+async def release(address: str, request_ids: list[str], tls: TLSFiles | None, timeout_s: float) -> None:
+    """Release requests on one stage and wait until it has applied the releases (unknown ids are harmless)."""
+    if not request_ids:
+        return
+    async with open_channel(address, tls) as channel:
+        call = stage_pb2_grpc.StageStub(channel).Control(timeout=timeout_s, wait_for_ready=True)
+        for rid in request_ids:
+            await call.write(control_to_proto(Control(rid, release=True)))
+        await call.done_writing()
+        await call
+
+
+class Repartitioner:
+    """Owns the coordinator's pipeline while its depth changes (see the module docstring)."""
+
+    def __init__(self, coordinator, address_of: Callable[[int], str]) -> None:
+        self.coordinator = coordinator
+        self.address_of = address_of
+        self.current = coordinator.pipeline.num_stages if coordinator.pipeline is not None else 0
+        self._target: int | None = None
+
+    async def scale(self, n: int, force: bool = False) -> None:
+        """Converge to n stages (returns when done; concurrent calls: the latest target wins). force:
+        re-partition even at the same depth (after a failure)."""
+        if n < 0:
+            raise ValueError("the number of stages cannot be negative")
+        self._target = n
+        recovery = self.coordinator.recovery
+        if recovery is not None and recovery.running and n > 0:   # recover straight onto the new depth
+            recovery.retarget([self.address_of(i) for i in range(n)])
+            await recovery.wait()
+            pipeline = self.coordinator.pipeline
+            self.current = pipeline.num_stages if pipeline is not None else -1
+        elif recovery is not None and recovery.running:
+            await recovery.close("the pipeline has no stages: the stage StatefulSet was scaled to 0 replicas")
+        if self.coordinator.closing:
+            return
+        async with self.coordinator.pipeline_lock:
+            if force and self.coordinator.engine.failure is not None:
+                self.current = -1
+            while self._target is not None and self._target != self.current:
+                if not await self._repartition(self._target):
+                    break                       # failed: the next scale() (a watch event) tries again
+            self._target = None
+
+    async def _repartition(self, n: int) -> bool:
+        c, engine = self.coordinator, self.coordinator.engine
+        started = time.perf_counter()
+        log.info("re-partition: holding new requests, draining", stages_from=self.current, stages_to=n,
+                 running=len(engine.admission.active))
+        engine.admission.hold()
+        c.draining = c.pipeline                 # a stage failure now is handed to us (coordinator/engine/recovery.py)
+        orphans: set[str] = set()
+        try:                                    # or suspended: the requests then run again on the new pipeline
+            await asyncio.wait_for(engine.drained(), c.config.drain_timeout_s)
+        except asyncio.TimeoutError:            # bounded pause: move what still runs, as a recovery would
+            log.warning("re-partition: drain timed out, moving the running requests to the new pipeline",
+                        running=len(engine.admission.active), drain_timeout_s=c.config.drain_timeout_s)
+            if c.pipeline is not None and not engine.suspended:
+                pipeline, c.pipeline = c.pipeline, None
+                await pipeline.abort()
+                orphans = await engine.suspend()
+        if c.pipeline is not None:
+            await c.pipeline.close()
+            c.pipeline = None
+        c.draining = None
+        if n == 0:
+            self.current = 0
+            await self._no_pipeline("the pipeline has no stages: the stage StatefulSet was scaled to 0 "
+                                    "replicas; scale it up to serve again")
+            REPARTITIONS.labels("scaled_to_zero").inc()
+            log.warning("re-partition: no stages, answering UNAVAILABLE")
+            return True
+        try:
+            plans = plan([self.address_of(i) for i in range(n)], c.num_layers)
+            await release_held([p.address for p in plans], orphans, c.config.tls, 10.0)   # its stages are ready
+            await asyncio.gather(*(configure(p, tls=c.config.tls) for p in plans))
+            pipeline = await c.open_pipeline([p.address for p in plans])
+        except Exception as e:
+            self.current = -1                       # unknown: the next scale() tries again
+            await self._no_pipeline(f"re-partition to {n} stages failed: {e}")
+            REPARTITIONS.labels("failed").inc()
+            log.error("re-partition failed", stages=n, error=str(e))
+            return False
+        c.pipeline = pipeline
+        self.current = n
+        if engine.suspended:
+            await engine.restart(pipeline, c.kv_slots(pipeline))
+        else:
+            await engine.swap_transport(pipeline, c.kv_slots(pipeline))
+        REPARTITIONS.labels("ok").inc()
+        log.info("re-partitioned", stages=n, layers=[(p.first_layer, p.last_layer) for p in plans],
+                 seconds=round(time.perf_counter() - started, 2))
+        return True
+
+    async def _no_pipeline(self, why: str) -> None:
+        engine = self.coordinator.engine
+        if engine.suspended:                    # requests held after a stage failure cannot run anywhere
+            engine.fail_running(why)
+        await engine.swap_transport(None, None, why=why)

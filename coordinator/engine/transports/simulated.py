@@ -1,0 +1,171 @@
+"""Driver 3: a simulated clock. Real stage runners compute every micro-batch (so outputs, hits and misses are
+the real ones), but time comes from a latency model instead of waiting, so pipelines of 8–64 stages can be
+studied on a small machine in minutes.
+
+Model (all in milliseconds):
+- stage i takes `a + b * rows` per micro-batch (the emulated stage time), one micro-batch at a time, FIFO;
+- each hop (coordinator -> stage 0, stage -> stage, last stage -> coordinator) adds `hop_ms`;
+- the coordinator handles one event at a time; the actions an event produces leave when it is handled, then
+  the scheduler's deferred draft work runs, and its actions leave after that — as in the gRPC engine. The
+  draft work takes, by `draft_time`: (A, B) -> A ms per draft model call plus B ms per row those calls
+  computed (modelled, from the draft's `calls` and `rows` counters; a draft that runs no model is free), or
+  ("measured", scale) -> the draft's measured CPU compute time times `scale`;
+- control messages reach every stage at once.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.batch import MicroBatch
+from services.runner import StageRunner
+
+from coordinator.core.schedulers.base import Broadcast, Emit, Finish, Inject, Request, Scheduler
+
+
+@dataclass
+class SimOutcome:
+    tokens: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)     # ms on the simulated clock
+    reason: str = ""
+    stats: dict[str, float] = field(default_factory=dict)
+    start_ms: float = 0.0
+    end_ms: float = 0.0
+
+    @property
+    def tbt_ms(self) -> float:
+        t = self.token_times
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else 0.0
+
+    @property
+    def ttft_ms(self) -> float:
+        return self.token_times[0] - self.start_ms if self.token_times else 0.0
+
+
+class SimulatedPipeline:
+    def __init__(self, runners: list[StageRunner], stage_ms: tuple[float, float], num_stages: int | None = None,
+                 hop_ms: float = 0.3,
+                 draft_time: tuple[float, float] | tuple[str, float] = ("measured", 1.0)) -> None:
+        """`runners` compute, in order, at the first len(runners) of `num_stages` simulated stages; the other
+        stages only take time. One runner holding every layer is the cheapest way to simulate deep pipelines
+        (SmolLM2 has 30 layers, so S=32 cannot be split for real)."""
+        num_stages = num_stages or len(runners)
+        if not runners or num_stages < len(runners):
+            raise ValueError("need at least one runner and no more runners than stages")
+        if draft_time[0] == "measured":
+            if not draft_time[1] >= 0:
+                raise ValueError(f"measured draft time scale {draft_time[1]!r} must be 0 or more")
+        elif len(draft_time) != 2 or not all(isinstance(x, (int, float)) and x >= 0 for x in draft_time):
+            raise ValueError(f"draft time model {draft_time!r} is neither (A ms per call, B ms per row) with "
+                             "A, B >= 0 nor ('measured', scale)")
+        self.runners, self.stage_ms, self.hop_ms, self.draft_time = runners, stage_ms, hop_ms, tuple(draft_time)
+        self.num_stages = num_stages
+        self.draft_ms = 0.0         # draft time charged to the coordinator in the last run
+
+    def _draft_counters(self, draft) -> tuple[float, int, int]:
+        return (draft.compute_s, draft.calls, draft.rows) if draft is not None else (0.0, 0, 0)
+
+    def _draft_spent(self, before: tuple[float, int, int], after: tuple[float, int, int]) -> float:
+        """Milliseconds the draft work between two counter readings takes on the simulated clock."""
+        if self.draft_time[0] == "measured":
+            return (after[0] - before[0]) * 1e3 * self.draft_time[1]
+        per_call, per_row = self.draft_time
+        return per_call * (after[1] - before[1]) + per_row * (after[2] - before[2])
+
+    def run(self, scheduler: Scheduler, requests: list[Request], draft=None,
+            clients: int | None = None) -> dict[str, SimOutcome]:
+        """Run requests to completion on the simulated clock: all arriving at time 0, in order, or with
+        `clients` = c a closed loop — c requests at time 0, and each time one finishes the next in order
+        arrives (c clients sending one request after another). `draft` is the scheduler's draft source,
+        whose work is charged to the coordinator by `draft_time`."""
+        S = self.num_stages
+        events: list = []
+        seq = itertools.count()
+        queues: list[deque[MicroBatch]] = [deque() for _ in range(S)]
+        busy = [False] * S
+        coord_free = 0.0
+        out = {r.request_id: SimOutcome() for r in requests}
+        live = set(out)
+        self.draft_ms = 0.0
+        waiting = deque(requests[clients:] if clients else [])
+        arrivals: list[float] = []          # finish times at which the next waiting request arrives
+
+        def push(t: float, kind: str, payload) -> None:
+            heapq.heappush(events, (t, next(seq), kind, payload))
+
+        def dispatch(t: float) -> None:
+            for action in scheduler.poll():
+                if isinstance(action, Inject):
+                    push(t + self.hop_ms, "arrive", (0, action.batch))
+                elif isinstance(action, Broadcast):
+                    for r in self.runners:             # control reaches every stage at once
+                        r.apply(action.control)
+                elif isinstance(action, Emit):
+                    o = out[action.request_id]
+                    o.tokens.extend(action.token_ids)
+                    o.token_times.extend([t] * len(action.token_ids))
+                elif isinstance(action, Finish):
+                    o = out[action.request_id]
+                    o.reason, o.stats, o.end_ms = action.reason, action.stats, t
+                    live.discard(action.request_id)
+                    if waiting:
+                        arrivals.append(t)
+
+        def handle(t: float, fn, *args) -> float:
+            """The coordinator handles one event at t; returns when it is free again."""
+            fn(*args)
+            dispatch(t)
+            while scheduler.has_work:
+                before = self._draft_counters(draft)
+                scheduler.work()
+                spent = self._draft_spent(before, self._draft_counters(draft))
+                self.draft_ms += spent
+                t += spent
+                dispatch(t)
+            return t
+
+        def admit(t: float) -> None:
+            while arrivals:
+                arrivals.pop()
+                push(t, "submit", waiting.popleft())
+
+        for r in (requests[:clients] if clients else requests):
+            out[r.request_id].start_ms = coord_free
+            coord_free = handle(coord_free, scheduler.add, r)
+        admit(coord_free)
+        def start(i: int, t: float) -> None:
+            """Stage i takes its next micro-batch at t; rows pruned by then are dropped, as on a real stage."""
+            busy[i] = True
+            batch = queues[i].popleft()
+            if i < len(self.runners):
+                result = self.runners[i].step(batch)
+                rows = result.trace[-1].rows_computed
+            else:                                      # a timing-only stage
+                result, rows = batch, batch.rows
+            push(t + self.stage_ms[0] + self.stage_ms[1] * rows, "done", (i, result))
+
+        while events and live:
+            t, _, kind, payload = heapq.heappop(events)
+            if kind == "arrive":
+                i, batch = payload
+                queues[i].append(batch)
+                if not busy[i]:
+                    start(i, t)
+            elif kind == "done":
+                i, result = payload
+                busy[i] = False
+                push(t + self.hop_ms, "arrive" if i + 1 < S else "result", (i + 1, result) if i + 1 < S else result)
+                if queues[i]:
+                    start(i, t)
+            elif kind == "result":
+                coord_free = handle(max(t, coord_free), scheduler.on_result, payload)
+                admit(coord_free)
+            elif kind == "submit":
+                out[payload.request_id].start_ms = t
+                coord_free = handle(max(t, coord_free), scheduler.add, payload)
+                admit(coord_free)
+        if live:
+            raise RuntimeError(f"simulation ended with requests still running: {sorted(live)}")
+        return out

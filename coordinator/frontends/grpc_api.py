@@ -1,0 +1,156 @@
+"""The public gRPC API: specpipe.v1.Generation/Generate. Translates proto <-> Coordinator, and what both public
+APIs (this one and coordinator/frontends/openai/api.py) share: who a caller is (`client_identity`, for
+--max-per-client), whether the coordinator serves (`serving_state`, for health checks), and the bearer-token
+check that refuses a call before its request is read (`ApiTokenInterceptor`)."""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from urllib.parse import unquote
+
+import grpc
+import structlog
+
+from protos import generation_pb2, generation_pb2_grpc
+from services.logs import get_logger
+
+from coordinator.core.validate import InvalidRequest
+from coordinator.frontends.service import Chunk, Coordinator, GenerateInput, GenerationFailed
+
+log = get_logger(__name__)
+STATS_FIELDS = {"steps", "tokens_per_step", "tbt_ms", "ttft_ms", "prompt_tokens", "wall_ms"}
+UNAUTHENTICATED_MESSAGE = "missing or wrong bearer token (send metadata 'authorization: Bearer <token>')"
+
+
+def token_identity(token: str) -> str:
+    """The client identity of an API token (a fingerprint: the token itself never goes into state or logs).
+
+    >>> token_identity("s3cret")
+    'token:1ec1c26b50d5'
+    """
+    return "token:" + hashlib.sha256(token.encode()).hexdigest()[:12]
+
+
+def peer_host(peer: str) -> str:
+    """The host of a gRPC peer (`context.peer()`), as aiohttp's `request.remote` gives it for HTTP.
+
+    >>> peer_host("ipv4:10.0.0.7:50422"), peer_host("ipv6:[::1]:50422"), peer_host("ipv6:%5B::1%5D:50422")
+    ('10.0.0.7', '::1', '::1')
+    >>> peer_host("unix:/tmp/api.sock")
+    'unix:/tmp/api.sock'
+    """
+    peer = unquote(peer)
+    kind, _, address = peer.partition(":")
+    if kind in ("ipv4", "ipv6") and ":" in address:
+        return address.rpartition(":")[0].strip("[]")
+    return peer
+
+
+def client_identity(token: str, host: str) -> str:
+    """Who a request counts against for --max-per-client: the API token when the API requires one (every
+    caller has passed the check by then), else the caller's address (`host`)."""
+    return token_identity(token) if token else host
+
+
+def serving_state(coordinator: Coordinator) -> tuple[bool, str]:
+    """(True, "") when a request submitted now can run (Engine.serving) and the coordinator is not closing;
+    else (False, why). What the health checks of both APIs report."""
+    engine = coordinator.engine
+    if coordinator.closing:
+        return False, "the coordinator is shutting down"
+    if engine.serving:
+        return True, ""
+    if engine.transport is None or engine.unavailable:
+        return False, engine.unavailable or "no pipeline (scaled to zero)"
+    if engine.suspended:
+        return False, "a stage failed: recovering the pipeline"
+    if engine.admission.held:
+        return False, "re-partitioning the pipeline"
+    return False, f"the pipeline failed: {engine.failure}"
+
+
+class ApiTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Requires `authorization: Bearer <token>` on every call except health checks (kubelet probes send no
+    token). The check reads the call's metadata only: a call without the token gets a handler that answers
+    UNAUTHENTICATED without reading its request at all (a streaming-request handler that never iterates),
+    so an unauthenticated body is never received in full, never parsed, and the message size limit does
+    not even come into play."""
+
+    EXEMPT = ("/grpc.health.v1.Health/",)
+
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise ValueError("an empty bearer token would admit anyone")
+        self._expected = f"Bearer {token}".encode()
+
+    def authorized(self, metadata: tuple | None) -> bool:
+        got = dict(metadata or ()).get("authorization", "")
+        got = got.encode() if isinstance(got, str) else got
+        return hmac.compare_digest(got, self._expected)
+
+    async def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+            details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        if details.method.startswith(self.EXEMPT) or self.authorized(details.invocation_metadata):
+            return await continuation(details)
+        return _DENY
+
+
+async def _refuse(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+    yield b""  # pragma: no cover - never reached; makes this an async generator
+
+
+# the wire does not say whether a method streams: a stream-stream handler suits every kind of call, and it is
+# called before any request message is read (no deserializer: the bytes would stay bytes)
+_DENY = grpc.stream_stream_rpc_method_handler(_refuse)
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    """`token`: the API token in use ("" = open API), which makes every caller the same client."""
+
+    def __init__(self, coordinator: Coordinator, token: str = "") -> None:
+        self.coordinator = coordinator
+        self._token = token
+
+    async def Generate(self, request: generation_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        rid = uuid.uuid4().hex[:16]
+        structlog.contextvars.bind_contextvars(request_id=rid)     # this RPC's task only
+        inp = GenerateInput(
+            prompt=request.prompt, prompt_token_ids=list(request.prompt_token_ids), raw=request.raw,
+            max_new_tokens=request.max_new_tokens if request.HasField("max_new_tokens") else None,
+            method=request.method, temperature=request.temperature, top_p=request.top_p or 1.0,
+            top_k=request.top_k, seed=request.seed, stop=list(request.stop), ignore_eos=request.ignore_eos,
+            request_id=rid, client=client_identity(self._token, peer_host(context.peer())))
+        try:
+            async for chunk in self.coordinator.generate(inp):
+                yield to_proto(chunk)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except GenerationFailed as e:
+            code = next((c for c in grpc.StatusCode if c.value[0] == e.code), grpc.StatusCode.INTERNAL)
+            # refusals under overload are expected and counted (specpipe_requests_total): not a warning each
+            level = log.debug if code == grpc.StatusCode.RESOURCE_EXHAUSTED else log.warning
+            level("generation failed", error=str(e), code=code.name)
+            await context.abort(code, str(e))
+
+
+def to_proto(chunk: Chunk) -> generation_pb2.GenerateResponse:
+    msg = generation_pb2.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text,
+                                          finish_reason=chunk.finish_reason, request_id=chunk.request_id)
+    if chunk.stats is not None:
+        s = chunk.stats
+        msg.stats.steps = int(s.get("steps", 0))
+        msg.stats.tokens_per_step = s.get("tokens_per_step", 0.0)
+        msg.stats.tbt_ms = s.get("tbt_ms", 0.0)
+        msg.stats.ttft_ms = s.get("ttft_ms", 0.0)
+        msg.stats.wall_ms = s.get("wall_ms", 0.0)
+        msg.stats.prompt_tokens = int(s.get("prompt_tokens", 0))
+        msg.stats.completion_tokens = int(s.get("tokens", 0))
+        for k, v in s.items():
+            if k not in STATS_FIELDS and k != "tokens":
+                msg.stats.counters[k] = float(v)
+    return msg

@@ -1,0 +1,240 @@
+"""The coordinator as a library: prompt -> validated request -> engine -> stream of text chunks.
+
+Both the public gRPC API (coordinator/frontends/grpc_api.py) and `specpipe run` drive generation through
+Coordinator.generate, so they behave the same.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from services.logs import get_logger
+from services.model.loader import resolve_model, stderr_log
+
+from coordinator.core.admission import Admission, Overloaded
+from coordinator.config import CoordinatorConfig
+from coordinator.core.drafts.factory import build_draft
+from coordinator.engine.transports.grpc import GrpcPipeline
+from coordinator.engine.engine import Engine, Finished
+from coordinator.frontends.openai.defaults import GenerationDefaults, load_generation_defaults
+from coordinator.frontends.metrics import RequestMetrics, track
+from coordinator.engine.recovery import Recovery
+from coordinator.engine.scaling import release_held
+from coordinator.core.validate import InvalidRequest, Limits, check, check_prompt_size
+from coordinator.core.schedulers.registry import METHODS, SpecOptions
+from coordinator.core.text import PromptEncoder, TextStream
+
+log = get_logger(__name__)
+
+
+@dataclass
+class GenerateInput:
+    prompt: str = ""
+    prompt_token_ids: list[int] = field(default_factory=list)
+    raw: bool = False
+    max_new_tokens: int | None = None
+    method: str = ""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    request_id: str = ""          # chosen by the caller (the API binds it to its logs) or generated
+    client: str = ""              # who asks (API token or peer), for --max-per-client ("": not counted)
+    spec_overrides: dict | None = None   # SpecOptions fields to change for this request (benchmarks)
+
+
+@dataclass
+class Chunk:
+    token_ids: list[int]
+    text: str
+    finish_reason: str = ""
+    stats: dict[str, float] | None = None
+    request_id: str = ""
+
+
+class GenerationFailed(RuntimeError):
+    def __init__(self, message: str, code: int = 13, retryable: bool = True) -> None:
+        super().__init__(message)
+        self.code = code        # grpc.StatusCode value[0]
+        self.retryable = retryable    # False: the same request will fail again (e.g. it can never fit)
+
+
+class Coordinator:
+    # the model's sampling defaults for the OpenAI API (generation_config.json; set by connect)
+    generation_defaults: GenerationDefaults = GenerationDefaults()
+
+    def __init__(self, config: CoordinatorConfig, pipeline: GrpcPipeline, engine: Engine,
+                 encoder: PromptEncoder, eos_ids: frozenset[int], limits: Limits) -> None:
+        self.config, self.engine = config, engine
+        self.pipeline: GrpcPipeline | None = pipeline      # None while scaled to zero (coordinator/engine/scaling.py)
+        self.num_layers = pipeline.infos[0].num_layers_total
+        self.encoder, self.eos_ids, self.limits = encoder, eos_ids, limits
+        self.pipeline_lock = asyncio.Lock()     # held by whoever replaces the pipeline (re-partition, recovery)
+        self.draining: GrpcPipeline | None = None   # the pipeline a re-partition is draining (scaling.py)
+        self.closing = False
+        self.recovery: Recovery | None = None
+        if config.recovery_timeout_s > 0:
+            self.recovery = Recovery(self, config.recovery_timeout_s)
+            self.recovery.attach()
+        track(engine)                       # the queue / active gauges read its admission state
+
+    @classmethod
+    async def connect(cls, config: CoordinatorConfig) -> "Coordinator":
+        # one coordinator owns a pipeline: what the stages hold now was left by a coordinator that died
+        await release_held(list(config.stages), set(), config.tls, config.connect_timeout_s)
+        pipeline = await _open(config, list(config.stages))
+        info = pipeline.infos[0]
+        tokenizer, eos_ids = await asyncio.to_thread(load_tokenizer, config.model)
+        defaults = await asyncio.to_thread(load_generation_defaults, config.model, config.generation_config)
+        limits = Limits(info.vocab_size, info.max_position, config.default_max_new_tokens,
+                        config.max_new_tokens_cap)
+        torch.set_num_threads(config.draft_threads)
+        draft = await asyncio.to_thread(build_draft, config.draft, config.model, config.draft_model,
+                                        config.draft_device, config.draft_dtype)
+        spec = SpecOptions(draft=draft, width=config.width, policy=config.tree_policy, topk=config.topk,
+                           draft_rounds=config.draft_rounds,
+                           sps_k=config.sps_k, tree_nodes=config.tree_nodes, tree_depth=config.tree_depth, tree_topk=config.tree_topk,
+                           pipeinfer_run=config.pipeinfer_run, pipeinfer_min_prob=config.pipeinfer_min_prob,
+                           node_budget=config.node_budget, prefill_chunk=config.prefill_chunk,
+                           verify=config.verify)
+        admission = Admission(config.max_active, config.max_queue, kv_slots(pipeline),
+                              max_per_client=config.max_per_client)
+        engine = Engine(pipeline, default_method=config.method, spec=spec, admission=admission,
+                        batch_timeout_s=config.batch_timeout_s)
+        await engine.start()
+        log.info("coordinator connected", stages=len(config.stages), vocab=info.vocab_size,
+                 context=info.max_position, tokenizer=tokenizer is not None, kv_slots=admission.kv_slots)
+        coordinator = cls(config, pipeline, engine, PromptEncoder(tokenizer), eos_ids, limits)
+        coordinator.generation_defaults = defaults
+        return coordinator
+
+    async def close(self) -> None:
+        self.closing = True
+        if self.recovery is not None:
+            await self.recovery.close()
+        await self.engine.close()
+        if self.pipeline is not None:
+            await self.pipeline.close()
+
+    async def open_pipeline(self, addresses: list[str]) -> GrpcPipeline:
+        return await _open(self.config, addresses)
+
+    @staticmethod
+    def kv_slots(pipeline: GrpcPipeline) -> int | None:
+        return kv_slots(pipeline)
+
+    def prepare(self, inp: GenerateInput):
+        """Validate and tokenize; raises InvalidRequest."""
+        if inp.prompt and inp.prompt_token_ids:
+            raise InvalidRequest("give prompt or prompt_token_ids, not both")
+        check_prompt_size(inp.prompt, len(inp.prompt_token_ids), self.limits)
+        if inp.prompt_token_ids:
+            ids = list(inp.prompt_token_ids)
+        elif inp.prompt:
+            try:
+                ids = self.encoder.encode(inp.prompt, chat=not inp.raw)
+            except ValueError as e:
+                raise InvalidRequest(str(e)) from None
+        else:
+            ids = []
+        return check(ids, inp.max_new_tokens, inp.method or self.config.method, list(METHODS),
+                     inp.temperature, inp.top_p, inp.top_k, inp.stop, inp.ignore_eos, self.limits, inp.seed)
+
+    def _spec(self, inp: GenerateInput) -> SpecOptions | None:
+        return replace(self.engine.spec, **inp.spec_overrides) if inp.spec_overrides else None
+
+    async def generate(self, inp: GenerateInput) -> AsyncIterator[Chunk]:
+        with RequestMetrics(inp.method or self.config.method) as metrics:   # outcome, latency, tokens
+            async with aclosing(self._generate(inp, metrics)) as chunks:    # closed here, not by the GC
+                async for chunk in chunks:
+                    yield chunk
+
+    async def _generate(self, inp: GenerateInput, metrics: RequestMetrics) -> AsyncIterator[Chunk]:
+        params = await asyncio.to_thread(self.prepare, inp)     # tokenising a long prompt is not the loop's work
+        eos = frozenset() if params.ignore_eos else self.eos_ids
+        try:
+            rid, events = await self.engine.submit(params.prompt_ids, params.max_new_tokens, params.method, eos,
+                                                   request_id=inp.request_id, spec=self._spec(inp),
+                                                   sampling=params.sampling, client=inp.client)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        except Overloaded as e:
+            raise GenerationFailed(str(e), code=8, retryable=e.retryable) from None       # RESOURCE_EXHAUSTED
+        except RuntimeError as e:
+            raise GenerationFailed(str(e), code=14) from None
+        text = TextStream(self.encoder.decode, params.stop)
+        done = False
+        try:
+            while True:
+                kind, payload = await events.get()
+                if kind == "tokens":
+                    if text.stopped:
+                        continue
+                    fed = text.feed(payload)
+                    if fed.stopped:
+                        self.engine.cancel(rid, "stop")
+                    kept = payload[:fed.kept]       # ids after the one completing a stop string are no output
+                    metrics.tokens(len(kept))
+                    yield Chunk(kept, fed.text, request_id=rid)
+                    continue
+                fin: Finished = payload
+                done = True
+                if fin.reason == "error":
+                    raise GenerationFailed(fin.error, fin.error_code or 13)
+                reason = "stop" if text.stopped else fin.reason
+                stats = dict(fin.stats, prompt_tokens=len(params.prompt_ids))
+                if text.stopped:                    # the engine also counted the ids after the stop string
+                    stats["tokens"] = float(metrics.streamed)
+                if not params.sampling.greedy:
+                    stats["seed"] = float(params.sampling.seed)
+                log.info("request finished", request_id=rid, method=params.method, reason=reason,
+                         tokens=int(stats.get("tokens", 0)), steps=int(stats.get("steps", 0)),
+                         tbt_ms=round(stats.get("tbt_ms", 0.0), 2), ttft_ms=round(stats.get("ttft_ms", 0.0), 1))
+                metrics.finished(reason, stats)
+                yield Chunk([], text.flush(), reason, stats, request_id=rid)
+                return
+        finally:
+            if not done:
+                self.engine.cancel(rid)
+
+
+async def _open(config: CoordinatorConfig, addresses: list[str]) -> GrpcPipeline:
+    pipeline = GrpcPipeline(addresses, config.max_message_mb * 1024 * 1024, config.connect_timeout_s, config.tls,
+                            config.probe_interval_s, config.probe_timeout_s)
+    await pipeline.start()
+    return pipeline
+
+
+def kv_slots(pipeline: GrpcPipeline) -> int | None:
+    """KV slots per request budget: the smallest stage limit (None when no stage has one)."""
+    slots = [i.kv_limit_bytes // i.kv_bytes_per_slot for i in pipeline.infos
+             if i.kv_limit_bytes and i.kv_bytes_per_slot]
+    return min(slots) if slots else None
+
+
+def load_tokenizer(model: str) -> tuple[object | None, frozenset[int]]:
+    """The model's tokenizer (None when the folder has none) and its end-of-sequence ids."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    ref = resolve_model(model, log=stderr_log)
+    try:
+        tok = AutoTokenizer.from_pretrained(ref)
+    except (OSError, ValueError, TypeError) as e:
+        log.warning("no tokenizer: text prompts will be refused", model=ref, error=str(e).splitlines()[0])
+        tok = None
+    eos: set[int] = set()
+    if tok is not None and tok.eos_token_id is not None:
+        eos.add(int(tok.eos_token_id))
+    try:
+        gen = GenerationConfig.from_pretrained(ref)
+        ids = gen.eos_token_id
+        eos.update([ids] if isinstance(ids, int) else list(ids or []))
+    except (OSError, ValueError):
+        pass
+    return tok, frozenset(eos)
