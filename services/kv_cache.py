@@ -95,7 +95,7 @@ class RequestKV:
             if self.slot_position is not None:
                 pos[:old] = self.slot_position[:old]
                 com[:old] = self.committed[:old]
-        except torch.OutOfMemoryError as e:        # the device is full: this request's fault to grow, not the batch's
+        except torch.OutOfMemoryError as e:        # the device is full: this request fails, not the batch
             self.reserve(-extra)
             raise KVExhausted(f"out of device memory growing the KV cache to {capacity} slots "
                               f"({extra / MiB:.1f} MiB more): {str(e).splitlines()[0] if str(e) else 'OOM'}") from e

@@ -3,8 +3,8 @@
 Pure Python; one NodeTable per request, owned by the stage's KV cache. It decides, for every incoming
 row, whether the row is computed or dropped, and which held nodes a row may attend to.
 
-Rules (DESIGN §3: control and data planes are separate streams, so commit/prune may arrive before or after
-the rows they name):
+Rules (docs/architecture.md, "Data plane and control plane": the planes are separate streams, so commit and
+prune may arrive before or after the rows they name):
 - commit(ids): the nodes are part of the output. Ids not yet held are remembered and take effect when
   their row arrives. Committed nodes form one chain; `tip` is the deepest committed node held.
 - prune(ids): the nodes and their held descendants are dead: their KV is freed and their ids become

@@ -2,8 +2,8 @@
 
 Per step: admit each row against the request's NodeTable (dropping rows that are dead), allocate KV slots,
 build the tree masks, run the shard's layers over the surviving rows, and — on the last stage — turn the
-hidden states of the rows that want output into the target's greedy token (and log-probabilities when
-asked). A micro-batch always comes out, possibly with fewer rows, so the coordinator hears back about
+hidden states of the rows that want output into the target's token, greedy or sampled (and log-probabilities
+when asked). A micro-batch always comes out, possibly with fewer rows, so the coordinator hears back about
 every micro-batch it injected.
 """
 from __future__ import annotations

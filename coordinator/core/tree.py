@@ -1,4 +1,4 @@
-"""The dynamic speculative token tree of one request (pure Python; DESIGN §2).
+"""The dynamic speculative token tree of one request (pure Python; docs/architecture.md, "The methods").
 
 The tree hangs below the *root*, the last committed node. Every other node is a draft proposal: a token,
 its parent, its depth (= position in the sequence) and its cumulative draft log-probability `score` (sum of
@@ -179,8 +179,8 @@ class TokenTree:
         """The draft's next work (run-ahead): the `count` best nodes not yet expanded, injected or not, whose
         children could still be used (depth below `max_depth`; tokens in `skip`, e.g. EOS, have none). With
         `spine_lead` > 0 the tip of the spine comes first while it is fewer than `spine_lead` layers below the
-        root. `injected_only`: only nodes already injected (the one-layer rule). Every node's parent is expanded (that is where it came from), so the draft can compute any of
-        them."""
+        root. `injected_only`: only nodes already injected (the one-layer rule). Every node's parent is
+        expanded (that is where it came from), so the draft can compute any of them."""
         def usable(n: TreeNode) -> bool:
             return not n.expanded and n.token not in skip and (max_depth is None or n.depth < max_depth) \
                 and (n.injected or not injected_only)

@@ -1,4 +1,4 @@
-"""Lossless verification of a node's children when sampling (pure torch; DESIGN §2).
+"""Lossless verification of a node's children when sampling (pure torch; docs/architecture.md, "The methods").
 
 Two verifiers keep the target's distribution exactly:
 

@@ -1,4 +1,4 @@
-"""`quant+ngram`: the quant model draft's children plus free prompt-lookup proposals (issue 14, item 5).
+"""`quant+ngram`: the quant model draft's children plus free prompt-lookup proposals.
 
 Per node, the children are the model's top k (its order, its scores) merged with the n-gram's first
 `max_extra` (2) proposals; a token both propose is one child, with the model's score. An n-gram-only token
@@ -15,12 +15,10 @@ n-gram-only token therefore ranks after every model child (its log-prob is at mo
 the tree ranks its subtree by the model's cumulative log-prob like any other node; when sampling, the
 model's children are ordered by log q plus noise, so an n-gram token can land between them.
 
-Why this is lossless: with greedy or `match` verification the committed token is always the target's own
-(greedy or seeded sample), whatever the children are; extra children only add chances of a hit. With
-`rejection` verification the children of a node must be draws without replacement from the draft's q
-(coordinator/core/verify.py accepts child j with min(1, p/q) using that q), and deterministic n-gram tokens
-mixed in are not such draws: a request begun with keep_q gets exactly the model's proposals, and the
-n-gram part never sees it.
+Lossless: with greedy or `match` verification the committed token is the target's own whatever the children
+are; extra children only add chances of a hit. `rejection` needs a node's children to be draws without
+replacement from the draft's q (coordinator/core/verify.py), which n-gram tokens are not: a request begun with
+keep_q gets exactly the model's proposals, and the n-gram part never sees it.
 
 `compute_s`, `calls` and `rows` are the parts' sums (plus this wrapper's own merge time in compute_s), so
 the bench charges model calls as for `quant`; the n-gram runs no model and adds no calls or rows.

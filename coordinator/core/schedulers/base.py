@@ -1,4 +1,4 @@
-"""Schedulers are sans-IO state machines (DESIGN §3).
+"""Schedulers are sans-IO state machines (docs/architecture.md, "Steps and statistics").
 
 A scheduler is fed events — a request arrived (`add`), a micro-batch came back from the last stage
 (`on_result`), a request was cancelled (`cancel`) — and hands back actions (`poll`): inject a micro-batch
@@ -158,8 +158,8 @@ class Scheduler(ABC):
         return False
 
     def work(self) -> None:
-        """Do deferred compute. Drivers call it after draining actions, while `has_work`, so that
-        micro-batches already decided leave before the draft runs."""
+        """Do deferred compute. Callers (the engine, the in-process and simulated pipelines) call it after
+        draining actions, while `has_work`, so that micro-batches already decided leave before the draft runs."""
 
     def poll(self) -> list[Action]:
         actions, self._actions = self._actions, []

@@ -1,19 +1,13 @@
 """`specpipe`: a dynamic speculative token tree grows into the pipeline every step (arXiv 2504.04104), so
 that ideally one token commits per pipeline step instead of one per S steps.
 
-Per request:
-1. The prompt goes in as a committed chain; the draft proposes children of its last token.
-2. While fewer than S micro-batches of the request are in flight, grow the tree (coordinator/core/tree.py) and
-   inject the chosen nodes as one micro-batch. Then the draft **runs ahead** (`work`): `rounds` batched
-   calls, each expanding the best not-yet-expanded nodes, injected or not, so that the next micro-batch can
-   take a node together with its already-proposed descendants (`best-first`, `hybrid`: a micro-batch spans
-   several layers and a branch that fell behind catches up in one step). `layer` is the paper's rule: one
-   layer per step, the draft expands only what was injected.
-3. When a micro-batch returns, record each node's target token and verify at the root: **hit** -> commit the
-   matching child, prune its siblings' subtrees; **miss** -> the target's token becomes the root: when the
-   draft had proposed it, that child and its expanded subtree (warm restart, `reroot`); else a fresh
-   **bonus** node, which the draft expands before it goes in, so it travels with its children.
-Commits and prunes are broadcast to every stage (which drop pruned rows they have not computed yet).
+Per request, while fewer than S of its micro-batches are in flight: grow the tree (coordinator/core/tree.py)
+and inject the chosen nodes as one micro-batch; then the draft **runs ahead** (`work`: `rounds` batched calls,
+each expanding the best not-yet-expanded nodes, injected or not), so the next micro-batch can take a node with
+its already-proposed descendants. `layer` is the paper's rule: one layer per step, the draft expands only what
+was injected. On a result, verify at the root: **hit** (`TokenTree.commit`), or **miss** with a warm restart
+(`reroot`) or a fresh **bonus** (`restart`), which the draft expands before it goes in. Commits and prunes are
+broadcast to every stage.
 
 Worked example (S = 4, best-first, width 4, rounds 2): the root r was injected with children a, b. The
 draft expanded a, b (round 1) and a's best child a1 (round 2). The next micro-batch is best-first over
@@ -24,7 +18,8 @@ a shared node budget (coordinator/core/schedulers/batching.py): each request's w
 min(width, node_budget // requests held) — a request alone may use its whole width — and the draft
 expands the nodes of all requests in one batched call per round.
 
-Greedy and lossless: every committed token is the target's argmax after the committed prefix.
+Lossless: every committed token is the target's argmax after the committed prefix when greedy; when
+sampling, see coordinator/core/verify.py.
 """
 from __future__ import annotations
 
@@ -217,8 +212,8 @@ class SpecPipeScheduler(BatchingScheduler):
         return bool(self.pending)
 
     def work(self) -> None:
-        """One round of draft compute, kept out of the event handlers so that injections leave first (drivers
-        call it while `has_work`, sending the actions after each call): the draft prefills new prompts, then
+        """One round of draft compute, kept out of the event handlers so that injections leave first (called
+        while `has_work`, the actions sent after each call): the draft prefills new prompts, then
         one batched call (all requests with rounds due) expands, per request, `layer`: the injected nodes not
         yet expanded; else its best not-yet-expanded nodes (`TokenTree.to_expand`, as many as its width).
         Then the next micro-batch goes in if the pipeline has room: a bonus that waited for its children

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API (aiohttp, on the coordinator's event loop). A thin shell: requests are
-parsed and answers shaped in coordinator/frontends/openai/schema.py; generation is Coordinator.generate, the same path
-as the gRPC API.
+parsed and answers shaped in schema.py (this folder); generation is Coordinator.generate, the same path as the
+gRPC API.
 
     GET  /v1/models, /v1/models/{id}     the served model names (--served-model-name), with max_model_len
     POST /v1/completions                 raw prompt (text or token ids)
@@ -70,8 +70,8 @@ def served_model_name(model: str) -> str:
 
 class OpenAIServer:
     """Serves the OpenAI-compatible API for one Coordinator. `token`: the bearer token required on /v1,
-    /tokenize and /detokenize (empty: open); `tls`: (cert, key) PEM files to serve HTTPS; `grace_s`: how long stop() lets running
-    requests finish before they are cancelled; `max_body_bytes`: the largest request body (413 beyond);
+    /tokenize and /detokenize (empty: open); `tls`: (cert, key) PEM files to serve HTTPS; `grace_s`: how long
+    stop() lets running requests finish before they are cancelled; `max_body_bytes`: the largest request body (413 beyond);
     `timeout_s`: how long headers, and then the body, may take to arrive. The model answers to the names of
     --served-model-name, else to `model_name` (comma-separated), else to served_model_name(--model); the
     first is the one answers name when a request names none."""
@@ -96,10 +96,9 @@ class OpenAIServer:
                              web.post("/v1/chat/completions", self.chat_completions),
                              web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize),
                              web.get("/health", self.health), web.get("/live", self.live)])
-        # aiohttp starts the keep-alive timer when a connection opens and again after each response, and
-        # closes the connection if no complete request head has arrived when it fires: the header timeout.
-        # After an early answer (408, 413) it reads and drops the rest of the body for lingering_time, then
-        # closes the connection.
+        # keepalive_timeout is the header timeout: a connection whose next request head has not arrived within
+        # it (from its start or the previous response) is closed. lingering_time: after an early answer (408,
+        # 413) the rest of the body is read and dropped for that long, then the connection closes.
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=grace_s,
                                      keepalive_timeout=timeout_s, lingering_time=min(10.0, timeout_s))
         self.port = 0

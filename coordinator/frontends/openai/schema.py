@@ -1,8 +1,8 @@
 """OpenAI request bodies -> GenerateInput, generation results -> OpenAI response objects (pure; no I/O).
 
-The HTTP shell (coordinator/frontends/openai/api.py) parses JSON, calls `parse_completion` / `parse_chat` (in a worker
-thread: they tokenize the prompt), runs Coordinator.generate and shapes what comes back with `completion` /
-`chunk` / `usage`. Everything wrong with a request raises ApiError, which carries the HTTP status and OpenAI's
+The HTTP shell (api.py, this folder) parses JSON, calls `parse_completion` / `parse_chat` (in a worker thread:
+they tokenize the prompt), runs Coordinator.generate and shapes what comes back with `completion` / `chunk` /
+`usage`. Everything wrong with a request raises ApiError, which carries the HTTP status and OpenAI's
 error object. Unset fields take the model's generation_config.json defaults (`ParseContext.defaults`), else
 OpenAI's (temperature 1, top_p 1); an unset max_tokens is the rest of the context, at most the server's cap:
 
