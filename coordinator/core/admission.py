@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from services.kv_cache import slots_allocated
 
 
-class Overloaded(RuntimeError):
+class Overloaded(Exception):
     """The server cannot take this request now (queue full; `retryable`) or ever (too large for the KV
-    limit; not retryable)."""
+    limit; not retryable). Not a RuntimeError: only this refusal may be answered with RESOURCE_EXHAUSTED."""
 
     def __init__(self, message: str, retryable: bool = True) -> None:
         super().__init__(message)

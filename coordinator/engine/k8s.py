@@ -74,7 +74,7 @@ def watch_statefulset(apps_api, namespace: str, name: str, repartitioner,
     def on_depth(n: int) -> None:
         # also after a pipeline failure (say a stage pod restarted with its default layers): once all
         # stages are ready again, re-apply the partition
-        broken = repartitioner.coordinator.engine.failure is not None
+        broken = repartitioner.broken
         if n != repartitioner.current or broken:
             asyncio.run_coroutine_threadsafe(repartitioner.scale(n, force=broken), loop)
     watcher = StatefulSetWatcher(apps_api, namespace, name, on_depth)

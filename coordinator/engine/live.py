@@ -6,38 +6,51 @@ statistics of the earlier attempts; the final stats cover all of them.
 
     live.carry({"steps": 10, "tokens": 4, "hits": 3})      # attempt 1 ended by a failure
     live.final_stats({"steps": 6, "tokens": 2, "hits": 1}, now)["steps"] -> 16.0
+
+`Requests` is the engine's table of them, by client id and by the wire id of the current attempt:
+
+    reqs.next_attempt(live)  # "a" asked for 20, streamed 7 -> Request("a.r1", prompt + those 7, 13)
+    reqs.emit(Emit("a.r1", [5]))    # -> Tokens([5]) on a's queue;  Emit("a", [5]) is stale: dropped
 """
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from coordinator.core.schedulers.base import Request, Scheduler
+from services.batch import MicroBatch
+
+from coordinator.core.schedulers.base import Emit, Finish, Request, Scheduler
 from coordinator.core.schedulers.registry import SpecOptions
+from coordinator.core.status import FinishReason, Status
 
+# a request that made no progress through this many stage failures in a row fails itself: it may be what
+# makes a stage fail (say its prefill runs the stage out of memory)
+MAX_FRUITLESS = 2
 # per-attempt stats that are not sums over the request's micro-batches
 _NOT_ADDITIVE = frozenset({"tokens", "tokens_per_step", "seed"})
 
 
-@dataclass
-class Finished:
-    reason: str
-    stats: dict[str, float]
-    error: str = ""
-    error_code: int = 0
+@dataclass(frozen=True)
+class Tokens:
+    """Tokens committed for a request, in order (its queue's events before the last)."""
+    token_ids: list[int]
+
+
+# what a request's queue carries: Tokens as they commit, then one Finish (its id the client's)
+Event = Tokens | Finish
 
 
 @dataclass
 class LiveRequest:
     scheduler: Scheduler
-    events: asyncio.Queue               # ("tokens", [ids]) ..., then ("finish", Finished)
+    events: asyncio.Queue[Event]
     submitted: float                    # perf_counter() at submit
     request: Request                    # as the client asked (its id is the client's)
     method: str
     spec: SpecOptions | None
     wire_id: str                        # the id the current scheduler and the stages know it by
     started: bool = False               # admitted (not queued)
-    cancel_reason: str = ""
+    cancel_reason: FinishReason | None = None
     attempts: int = 0                   # re-runs after stage failures
     emitted_at_start: int = 0           # tokens the client had when the current attempt started
     fruitless: int = 0                  # stage failures in a row during which it streamed nothing new
@@ -80,3 +93,123 @@ class LiveRequest:
         if "draft_ms" in out:
             out["draft_share"] = out["draft_ms"] / out["wall_ms"] if out["wall_ms"] else 0.0
         return out
+
+
+class Requests:
+    """The client requests the engine knows, running and queued (owned by the engine's loop): each by its
+    client id, its current attempt by wire id, and a queued one's turn (a future set when it may start)."""
+
+    def __init__(self) -> None:
+        self._live: dict[str, LiveRequest] = {}
+        self._client_of: dict[str, str] = {}                    # wire id of a re-run -> client request id
+        self._waiting: dict[str, asyncio.Future[None]] = {}    # queued request -> set when it may start
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._live
+
+    def get(self, rid: str) -> LiveRequest | None:
+        return self._live.get(rid)
+
+    def items(self) -> list[tuple[str, LiveRequest]]:
+        """(client id, request), a copy: safe to change the table while going through it."""
+        return list(self._live.items())
+
+    def add(self, live: LiveRequest) -> None:
+        self._live[live.request.request_id] = live
+
+    def drop(self, rid: str) -> None:
+        self._live.pop(rid, None)
+        self._waiting.pop(rid, None)
+
+    def client(self, wire_id: str) -> LiveRequest | None:
+        """The request an attempt's wire id belongs to (that attempt may be an earlier one)."""
+        return self._live.get(self._client_of.get(wire_id, wire_id))
+
+    def current(self, wire_id: str) -> LiveRequest | None:
+        """The request whose current attempt has this wire id."""
+        live = self.client(wire_id)
+        return live if live is not None and live.wire_id == wire_id else None
+
+    # -- the admission queue ---------------------------------------------------------------------
+    def queue(self, rid: str) -> asyncio.Future[None]:
+        """`rid` waits for its turn: the future `start` sets (or `refuse` fails)."""
+        fut = self._waiting[rid] = asyncio.get_running_loop().create_future()
+        return fut
+
+    def queued(self, rid: str) -> bool:
+        return rid in self._waiting
+
+    def start(self, rids: list[str]) -> None:
+        """These queued requests may run now."""
+        for rid in rids:
+            fut = self._waiting.pop(rid, None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+
+    def refuse(self, rid: str, error: Exception, forget: bool = False) -> bool:
+        """Fail the wait of a queued request with `error` (forget: and stop tracking it); False when
+        `rid` is not queued."""
+        fut = self._waiting.pop(rid, None) if forget else self._waiting.get(rid)
+        if fut is None:
+            return False
+        if not fut.done():
+            fut.set_exception(error)
+        return True
+
+    def refuse_all(self, error: Exception) -> None:
+        for rid in list(self._waiting):
+            self.refuse(rid, error)
+
+    def account(self, batch: MicroBatch, sent: float | None, now: float) -> None:
+        """Round trip of a one-request micro-batch against the time stages spent on it: the rest is the
+        coordinator, the transport and queueing."""
+        rids = {s.request_id for s in batch.segments}
+        live = self.client(next(iter(rids))) if len(rids) == 1 else None
+        if live is not None and sent is not None:
+            live.account((now - sent) * 1e3, sum(t.compute_ms + t.wait_ms for t in batch.trace))
+
+    # -- events to the clients -------------------------------------------------------------------
+    def emit(self, action: Emit, now: float) -> None:
+        live = self.current(action.request_id)
+        if live is None:
+            return
+        live.token_times.append(now)
+        live.emitted += action.token_ids
+        live.events.put_nowait(Tokens(action.token_ids))
+
+    def finish(self, action: Finish, now: float) -> Finish | None:
+        """End the request whose current attempt `action` ends: it leaves the table and its client gets the
+        Finish (returned) with the client's id and the whole request's stats. None for a stale attempt."""
+        rid = self._client_of.pop(action.request_id, action.request_id)
+        live = self._live.get(rid)
+        if live is None or live.wire_id != action.request_id:
+            return None
+        del self._live[rid]
+        done = replace(action, request_id=rid, stats=live.final_stats(action.stats, now))
+        live.events.put_nowait(done)
+        return done
+
+    def next_attempt(self, live: LiveRequest) -> Request | Finish:
+        """After a stage failure: the request to run again — its prompt plus the tokens the client has,
+        for the tokens left, under the next wire id ("<id>.r<n>") — or the Finish that ends it: cancelled
+        meanwhile, already complete, or without progress through MAX_FRUITLESS failures in a row."""
+        req, done = live.request, live.emitted
+        left = req.max_new_tokens - len(done)
+        eos = bool(done) and done[-1] in req.eos_ids
+        reason = live.cancel_reason or (FinishReason.EOS if eos else FinishReason.LENGTH if left < 1 else None)
+        if reason is not None:
+            return Finish(live.wire_id, reason, {"steps": 0.0})
+        live.fruitless = live.fruitless + 1 if len(done) == live.emitted_at_start else 0
+        if live.fruitless >= MAX_FRUITLESS:
+            return Finish(live.wire_id, FinishReason.ERROR, {}, f"the pipeline failed {live.fruitless} times in a "
+                          "row while this request made no progress; it is not run again (it may be what makes a "
+                          "stage fail)", Status.INTERNAL)
+        live.attempts += 1
+        live.emitted_at_start = len(done)
+        self._client_of.pop(live.wire_id, None)
+        live.wire_id = f"{req.request_id}.r{live.attempts}"
+        self._client_of[live.wire_id] = req.request_id
+        return Request(live.wire_id, req.prompt_ids + done, left, req.eos_ids, req.sampling)

@@ -4,7 +4,7 @@
 1. hold: new requests wait in the admission queue (bounded by --max-queue; beyond it RESOURCE_EXHAUSTED);
 2. drain: requests already running finish on the old pipeline (nothing is lost or restarted) — for at most
    --drain-timeout-s; then the old pipeline is dropped and what still runs goes on on the new one from its
-   prompt plus the tokens it streamed (Engine.suspend / restart, as after a stage failure);
+   prompt plus the tokens it streamed (Pipelines.suspend, then swap: as after a stage failure);
 3. re-partition: every stage 0..n-1 gets its even share of the layers and its next hop (Stage/Configure;
    a stage reads only the layers it now holds);
 4. resume on the new pipeline (schedulers are rebuilt for the new depth), or, for n = 0, answer every
@@ -19,6 +19,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 from prometheus_client import Counter
@@ -29,6 +30,10 @@ from services.logs import get_logger
 from services.model.shard import even_split
 from services.tls import TLSFiles, open_channel
 from services.wire import control_to_proto
+
+from coordinator.engine.pipeline import Pipelines
+from coordinator.engine.state import EngineState
+from coordinator.engine.transports.grpc import GrpcPipeline
 
 log = get_logger(__name__)
 REPARTITIONS = Counter("specpipe_repartitions_total", "Pipeline re-partitions by outcome", ["outcome"])
@@ -99,14 +104,48 @@ async def release(address: str, request_ids: list[str], tls: TLSFiles | None, ti
         await call
 
 
-class Repartitioner:
-    """Owns the coordinator's pipeline while its depth changes (see the module docstring)."""
+class Recovering(Protocol):
+    """What a re-partition asks of the recovery (coordinator/engine/recovery.Recovery)."""
 
-    def __init__(self, coordinator, address_of: Callable[[int], str]) -> None:
+    @property
+    def running(self) -> bool: ...
+    def retarget(self, addresses: list[str]) -> None: ...
+    async def wait(self) -> None: ...
+    async def close(self, why: str) -> None: ...
+
+
+class _DrainTimeout(Protocol):
+    @property
+    def drain_timeout_s(self) -> float: ...
+
+
+class Served(Protocol):
+    """What a re-partition needs of the coordinator it serves (frontends/service.Coordinator is one)."""
+
+    @property
+    def pipelines(self) -> Pipelines[GrpcPipeline]: ...
+    @property
+    def recovery(self) -> Recovering | None: ...
+    @property
+    def config(self) -> _DrainTimeout: ...
+
+
+class Repartitioner:
+    """Changes the pipeline's depth through its owner (coordinator/engine/pipeline.py); see the module
+    docstring."""
+
+    def __init__(self, coordinator: Served, address_of: Callable[[int], str]) -> None:
         self.coordinator = coordinator
+        self.pipelines = coordinator.pipelines
         self.address_of = address_of
-        self.current = coordinator.pipeline.num_stages if coordinator.pipeline is not None else 0
+        current = self.pipelines.current
+        self.current = current.num_stages if current is not None else 0
         self._target: int | None = None
+
+    @property
+    def broken(self) -> bool:
+        """The pipeline failed with nothing to recover it: re-apply the partition even at the same depth."""
+        return self.pipelines.engine.state is EngineState.FAILED
 
     async def scale(self, n: int, force: bool = False) -> None:
         """Converge to n stages (returns when done; concurrent calls: the latest target wins). force:
@@ -114,18 +153,18 @@ class Repartitioner:
         if n < 0:
             raise ValueError("the number of stages cannot be negative")
         self._target = n
-        recovery = self.coordinator.recovery
+        p, recovery = self.pipelines, self.coordinator.recovery
         if recovery is not None and recovery.running and n > 0:   # recover straight onto the new depth
             recovery.retarget([self.address_of(i) for i in range(n)])
             await recovery.wait()
-            pipeline = self.coordinator.pipeline
+            pipeline = p.current
             self.current = pipeline.num_stages if pipeline is not None else -1
         elif recovery is not None and recovery.running:
             await recovery.close("the pipeline has no stages: the stage StatefulSet was scaled to 0 replicas")
-        if self.coordinator.closing:
+        if p.closing:
             return
-        async with self.coordinator.pipeline_lock:
-            if force and self.coordinator.engine.failure is not None:
+        async with p.replacing():
+            if force and self.broken:
                 self.current = -1
             while self._target is not None and self._target != self.current:
                 if not await self._repartition(self._target):
@@ -133,57 +172,42 @@ class Repartitioner:
             self._target = None
 
     async def _repartition(self, n: int) -> bool:
-        c, engine = self.coordinator, self.coordinator.engine
+        p, engine = self.pipelines, self.pipelines.engine
+        drain_timeout_s = self.coordinator.config.drain_timeout_s
         started = time.perf_counter()
         log.info("re-partition: holding new requests, draining", stages_from=self.current, stages_to=n,
                  running=len(engine.admission.active))
-        engine.admission.hold()
-        c.draining = c.pipeline                 # a stage failure now is handed to us (coordinator/engine/recovery.py)
+        p.drain()                               # a stage failure now is handed to us (recovery.py)
         orphans: set[str] = set()
         try:                                    # or suspended: the requests then run again on the new pipeline
-            await asyncio.wait_for(engine.drained(), c.config.drain_timeout_s)
+            await asyncio.wait_for(engine.drained(), drain_timeout_s)
         except asyncio.TimeoutError:            # bounded pause: move what still runs, as a recovery would
             log.warning("re-partition: drain timed out, moving the running requests to the new pipeline",
-                        running=len(engine.admission.active), drain_timeout_s=c.config.drain_timeout_s)
-            if c.pipeline is not None and not engine.suspended:
-                pipeline, c.pipeline = c.pipeline, None
-                await pipeline.abort()
-                orphans = await engine.suspend()
-        if c.pipeline is not None:
-            await c.pipeline.close()
-            c.pipeline = None
-        c.draining = None
+                        running=len(engine.admission.active), drain_timeout_s=drain_timeout_s)
+            if p.current is not None and engine.state is not EngineState.SUSPENDED:
+                orphans = await p.suspend()
+        await p.retire()
         if n == 0:
             self.current = 0
-            await self._no_pipeline("the pipeline has no stages: the stage StatefulSet was scaled to 0 "
-                                    "replicas; scale it up to serve again")
+            await p.swap(None, "the pipeline has no stages: the stage StatefulSet was scaled to 0 replicas; "
+                               "scale it up to serve again")
             REPARTITIONS.labels("scaled_to_zero").inc()
             log.warning("re-partition: no stages, answering UNAVAILABLE")
             return True
         try:
-            plans = plan([self.address_of(i) for i in range(n)], c.num_layers)
-            await release_held([p.address for p in plans], orphans, c.config.tls, 10.0)   # its stages are ready
-            await asyncio.gather(*(configure(p, tls=c.config.tls) for p in plans))
-            pipeline = await c.open_pipeline([p.address for p in plans])
+            plans = plan([self.address_of(i) for i in range(n)], p.num_layers)
+            await release_held([s.address for s in plans], orphans, p.tls, 10.0)   # its stages are ready
+            await asyncio.gather(*(configure(s, tls=p.tls) for s in plans))
+            pipeline = await p.open([s.address for s in plans])
         except Exception as e:
             self.current = -1                       # unknown: the next scale() tries again
-            await self._no_pipeline(f"re-partition to {n} stages failed: {e}")
+            await p.swap(None, f"re-partition to {n} stages failed: {e}")
             REPARTITIONS.labels("failed").inc()
             log.error("re-partition failed", stages=n, error=str(e))
             return False
-        c.pipeline = pipeline
         self.current = n
-        if engine.suspended:
-            await engine.restart(pipeline, c.kv_slots(pipeline))
-        else:
-            await engine.swap_transport(pipeline, c.kv_slots(pipeline))
+        await p.swap(pipeline)
         REPARTITIONS.labels("ok").inc()
-        log.info("re-partitioned", stages=n, layers=[(p.first_layer, p.last_layer) for p in plans],
+        log.info("re-partitioned", stages=n, layers=[(s.first_layer, s.last_layer) for s in plans],
                  seconds=round(time.perf_counter() - started, 2))
         return True
-
-    async def _no_pipeline(self, why: str) -> None:
-        engine = self.coordinator.engine
-        if engine.suspended:                    # requests held after a stage failure cannot run anywhere
-            engine.fail_running(why)
-        await engine.swap_transport(None, None, why=why)

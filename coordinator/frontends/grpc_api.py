@@ -16,12 +16,28 @@ import structlog
 from protos import generation_pb2, generation_pb2_grpc
 from services.logs import get_logger
 
+from coordinator.core.status import Status
 from coordinator.core.validate import InvalidRequest
+from coordinator.engine.state import EngineState
 from coordinator.frontends.service import Chunk, Coordinator, GenerateInput, GenerationFailed
 
 log = get_logger(__name__)
 STATS_FIELDS = {"steps", "tokens_per_step", "tbt_ms", "ttft_ms", "prompt_tokens", "wall_ms"}
 UNAUTHENTICATED_MESSAGE = "missing or wrong bearer token (send metadata 'authorization: Bearer <token>')"
+_GRPC_CODES = {c.value[0]: c for c in grpc.StatusCode}
+# why the coordinator does not serve, by engine state (FAILED and UNAVAILABLE say their own why)
+_NOT_SERVING = {EngineState.SUSPENDED: "a stage failed: recovering the pipeline",
+                EngineState.HELD: "re-partitioning the pipeline",
+                EngineState.UNAVAILABLE: "no pipeline (scaled to zero)"}
+
+
+def grpc_code(status: Status) -> grpc.StatusCode:
+    """The grpc.StatusCode a Status mirrors.
+
+    >>> grpc_code(Status.RESOURCE_EXHAUSTED)
+    <StatusCode.RESOURCE_EXHAUSTED: (8, 'resource exhausted')>
+    """
+    return _GRPC_CODES[status]
 
 
 def token_identity(token: str) -> str:
@@ -62,13 +78,7 @@ def serving_state(coordinator: Coordinator) -> tuple[bool, str]:
         return False, "the coordinator is shutting down"
     if engine.serving:
         return True, ""
-    if engine.transport is None or engine.unavailable:
-        return False, engine.unavailable or "no pipeline (scaled to zero)"
-    if engine.suspended:
-        return False, "a stage failed: recovering the pipeline"
-    if engine.admission.held:
-        return False, "re-partitioning the pipeline"
-    return False, f"the pipeline failed: {engine.failure}"
+    return False, engine.why or _NOT_SERVING.get(engine.state, engine.state.value)
 
 
 class ApiTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -131,7 +141,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except GenerationFailed as e:
-            code = next((c for c in grpc.StatusCode if c.value[0] == e.code), grpc.StatusCode.INTERNAL)
+            code = grpc_code(e.code)
             # refusals under overload are expected and counted (specpipe_requests_total): not a warning each
             level = log.debug if code == grpc.StatusCode.RESOURCE_EXHAUSTED else log.warning
             level("generation failed", error=str(e), code=code.name)
@@ -140,7 +150,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
 def to_proto(chunk: Chunk) -> generation_pb2.GenerateResponse:
     msg = generation_pb2.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text,
-                                          finish_reason=chunk.finish_reason, request_id=chunk.request_id)
+                                          finish_reason=chunk.finish_reason or "", request_id=chunk.request_id)
     if chunk.stats is not None:
         s = chunk.stats
         msg.stats.steps = int(s.get("steps", 0))

@@ -24,10 +24,10 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
 from coordinator.core.schedulers.registry import METHODS
+from coordinator.core.status import FinishReason, Status
 
 if TYPE_CHECKING:
     from coordinator.engine.engine import Engine
@@ -84,8 +84,8 @@ def outcome_of(error: BaseException) -> str:
     if isinstance(error, (GeneratorExit, asyncio.CancelledError)):
         return "cancelled"
     code = getattr(error, "code", None)
-    if isinstance(code, int):
-        return next((c.name.lower() for c in grpc.StatusCode if c.value[0] == code), "unknown")
+    if isinstance(code, int):           # GenerationFailed.code: a Status
+        return Status.of(code).name.lower()
     if isinstance(error, ValueError):
         return "invalid_argument"
     return "internal"
@@ -127,7 +127,7 @@ class RequestMetrics:
         self._last = now
         self.streamed += n
 
-    def finished(self, reason: str, stats: dict[str, float]) -> None:
+    def finished(self, reason: FinishReason, stats: dict[str, float]) -> None:
         """The request ended normally with this finish reason and the engine's per-request stats."""
         self.record_outcome(reason)
         if stats.get("steps"):

@@ -133,7 +133,7 @@ async def serve(config: CoordinatorConfig, port_file: str = "") -> None:
         os.replace(port_file + ".tmp", port_file)
     try:
         async def drain_also() -> None:         # beside the gRPC drain: HTTP, and a recovery (if one runs)
-            coordinator.closing = True
+            coordinator.begin_close()
             await asyncio.gather(*([http.stop()] if http is not None else []),
                                  *([coordinator.recovery.close()] if coordinator.recovery is not None else []))
         await server.serve_until_signal(config.grace_s, on_stop=coordinator.close, drain_also=drain_also)

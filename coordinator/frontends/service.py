@@ -15,18 +15,22 @@ import torch
 from services.logs import get_logger
 from services.model.loader import resolve_model, stderr_log
 
-from coordinator.core.admission import Admission, Overloaded
 from coordinator.config import CoordinatorConfig
+from coordinator.core.admission import Admission, Overloaded
 from coordinator.core.drafts.factory import build_draft
-from coordinator.engine.transports.grpc import GrpcPipeline
-from coordinator.engine.engine import Engine, Finished
-from coordinator.frontends.openai.defaults import GenerationDefaults, load_generation_defaults
-from coordinator.frontends.metrics import RequestMetrics, track
+from coordinator.core.schedulers.registry import METHODS, SpecOptions
+from coordinator.core.status import FinishReason, Status
+from coordinator.core.text import PromptEncoder, TextStream
+from coordinator.core.validate import InvalidRequest, Limits, check, check_prompt_size
+from coordinator.engine.engine import Engine
+from coordinator.engine.live import Tokens
+from coordinator.engine.pipeline import Pipelines
 from coordinator.engine.recovery import Recovery
 from coordinator.engine.scaling import release_held
-from coordinator.core.validate import InvalidRequest, Limits, check, check_prompt_size
-from coordinator.core.schedulers.registry import METHODS, SpecOptions
-from coordinator.core.text import PromptEncoder, TextStream
+from coordinator.engine.state import Unavailable
+from coordinator.engine.transports.grpc import GrpcPipeline
+from coordinator.frontends.metrics import RequestMetrics, track
+from coordinator.frontends.openai.defaults import GenerationDefaults, load_generation_defaults
 
 log = get_logger(__name__)
 
@@ -53,15 +57,15 @@ class GenerateInput:
 class Chunk:
     token_ids: list[int]
     text: str
-    finish_reason: str = ""
+    finish_reason: FinishReason | None = None      # set on the last chunk only
     stats: dict[str, float] | None = None
     request_id: str = ""
 
 
 class GenerationFailed(RuntimeError):
-    def __init__(self, message: str, code: int = 13, retryable: bool = True) -> None:
+    def __init__(self, message: str, code: Status = Status.INTERNAL, retryable: bool = True) -> None:
         super().__init__(message)
-        self.code = code        # grpc.StatusCode value[0]
+        self.code = Status.of(code)
         self.retryable = retryable    # False: the same request will fail again (e.g. it can never fit)
 
 
@@ -72,17 +76,35 @@ class Coordinator:
     def __init__(self, config: CoordinatorConfig, pipeline: GrpcPipeline, engine: Engine,
                  encoder: PromptEncoder, eos_ids: frozenset[int], limits: Limits) -> None:
         self.config, self.engine = config, engine
-        self.pipeline: GrpcPipeline | None = pipeline      # None while scaled to zero (coordinator/engine/scaling.py)
         self.num_layers = pipeline.infos[0].num_layers_total
         self.encoder, self.eos_ids, self.limits = encoder, eos_ids, limits
-        self.pipeline_lock = asyncio.Lock()     # held by whoever replaces the pipeline (re-partition, recovery)
-        self.draining: GrpcPipeline | None = None   # the pipeline a re-partition is draining (scaling.py)
-        self.closing = False
+        # the one owner of the live pipeline; `open_pipeline` looked up at each call (tests replace it)
+        self.pipelines: Pipelines[GrpcPipeline] = Pipelines(
+            engine, pipeline, lambda addresses: self.open_pipeline(addresses), kv_slots, self.num_layers, config.tls)
         self.recovery: Recovery | None = None
         if config.recovery_timeout_s > 0:
-            self.recovery = Recovery(self, config.recovery_timeout_s)
+            self.recovery = Recovery(self.pipelines, config.recovery_timeout_s)
             self.recovery.attach()
         track(engine)                       # the queue / active gauges read its admission state
+
+    @property
+    def pipeline(self) -> GrpcPipeline | None:
+        """The open pipeline (None while it is replaced, or scaled to zero)."""
+        return self.pipelines.current
+
+    @property
+    def draining(self) -> GrpcPipeline | None:
+        """The pipeline a re-partition is draining (coordinator/engine/scaling.py)."""
+        return self.pipelines.draining
+
+    @property
+    def closing(self) -> bool:
+        return self.pipelines.closing
+
+    def begin_close(self) -> None:
+        """Stop being ready (a SIGTERM drain): health says NOT_SERVING and no re-partition starts; running
+        requests go on."""
+        self.pipelines.begin_close()
 
     @classmethod
     async def connect(cls, config: CoordinatorConfig) -> "Coordinator":
@@ -115,19 +137,14 @@ class Coordinator:
         return coordinator
 
     async def close(self) -> None:
-        self.closing = True
+        self.begin_close()
         if self.recovery is not None:
             await self.recovery.close()
         await self.engine.close()
-        if self.pipeline is not None:
-            await self.pipeline.close()
+        await self.pipelines.close()
 
     async def open_pipeline(self, addresses: list[str]) -> GrpcPipeline:
         return await _open(self.config, addresses)
-
-    @staticmethod
-    def kv_slots(pipeline: GrpcPipeline) -> int | None:
-        return kv_slots(pipeline)
 
     def prepare(self, inp: GenerateInput):
         """Validate and tokenize; raises InvalidRequest."""
@@ -165,29 +182,29 @@ class Coordinator:
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
         except Overloaded as e:
-            raise GenerationFailed(str(e), code=8, retryable=e.retryable) from None       # RESOURCE_EXHAUSTED
-        except RuntimeError as e:
-            raise GenerationFailed(str(e), code=14) from None
+            raise GenerationFailed(str(e), Status.RESOURCE_EXHAUSTED, retryable=e.retryable) from None
+        except Unavailable as e:
+            raise GenerationFailed(str(e), Status.UNAVAILABLE) from None
         text = TextStream(self.encoder.decode, params.stop)
         done = False
         try:
             while True:
-                kind, payload = await events.get()
-                if kind == "tokens":
+                event = await events.get()
+                if isinstance(event, Tokens):
                     if text.stopped:
                         continue
-                    fed = text.feed(payload)
+                    fed = text.feed(event.token_ids)
                     if fed.stopped:
-                        self.engine.cancel(rid, "stop")
-                    kept = payload[:fed.kept]       # ids after the one completing a stop string are no output
+                        self.engine.cancel(rid, FinishReason.STOP)
+                    kept = event.token_ids[:fed.kept]     # ids after the one completing a stop string are no output
                     metrics.tokens(len(kept))
                     yield Chunk(kept, fed.text, request_id=rid)
                     continue
-                fin: Finished = payload
+                fin = event
                 done = True
-                if fin.reason == "error":
-                    raise GenerationFailed(fin.error, fin.error_code or 13)
-                reason = "stop" if text.stopped else fin.reason
+                if fin.reason is FinishReason.ERROR:
+                    raise GenerationFailed(fin.error, fin.error_code or Status.INTERNAL)
+                reason = FinishReason.STOP if text.stopped else fin.reason
                 stats = dict(fin.stats, prompt_tokens=len(params.prompt_ids))
                 if text.stopped:                    # the engine also counted the ids after the stop string
                     stats["tokens"] = float(metrics.streamed)

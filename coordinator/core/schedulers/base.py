@@ -22,6 +22,8 @@ import torch
 from services.batch import Control, MicroBatch, Segment
 from services.sampling import GREEDY, Sampling
 
+from coordinator.core.status import FinishReason, Status
+
 
 @dataclass(frozen=True)
 class Request:
@@ -50,11 +52,17 @@ class Emit:
 
 @dataclass
 class Finish:
+    """A request ended: what a scheduler hands the engine, and (its id the client's, its stats the whole
+    request's) the engine's last event on the request's queue (coordinator/engine/live.py)."""
     request_id: str
-    reason: str                   # "length", "eos", "stop", "cancelled", "error"
+    reason: FinishReason
     stats: dict[str, float]
     error: str = ""
-    error_code: int = 0
+    error_code: Status = Status.OK      # with reason ERROR: the gRPC status the request fails with
+
+    def __post_init__(self) -> None:    # plain strings and numbers become members (ValueError if not one)
+        self.reason = FinishReason(self.reason)
+        self.error_code = Status.of(self.error_code)
 
 
 Action = Inject | Broadcast | Emit | Finish
@@ -143,7 +151,7 @@ class Scheduler(ABC):
                 continue
             if seg.error:
                 where = f"stage {seg.error_stage}: " if seg.error_stage >= 0 else ""   # -1: the coordinator's
-                self._finish(state, "error", error=where + seg.error, error_code=seg.error_code or 13)
+                self._finish(state, "error", error=where + seg.error, error_code=seg.error_code or Status.INTERNAL)
                 continue
             self._on_segment(state, seg, outputs, logprobs)
 

@@ -25,6 +25,8 @@ from services.logs import get_logger
 from services.tls import TLSFiles, open_channel
 from services.wire import batch_from_proto, batch_to_proto, control_to_proto
 
+from coordinator.core.status import Status
+
 log = get_logger(__name__)
 
 
@@ -53,6 +55,7 @@ class GrpcPipeline:
         self.probe_interval_s = probe_interval_s
         self.probe_timeout_s = probe_timeout_s
         self._closing = False
+        self._aborted = False
 
     @property
     def num_stages(self) -> int:
@@ -150,7 +153,7 @@ class GrpcPipeline:
 
     async def abort(self) -> None:
         """Drop the pipeline at once (after a failure): cancel every call, wait for nothing."""
-        self._closing = True
+        self._closing = self._aborted = True
         for task in [*self._watchers, self._reader]:
             if task is not None:
                 task.cancel()
@@ -159,6 +162,9 @@ class GrpcPipeline:
             await c.close(grace=None)
 
     async def close(self) -> None:
+        """Close the streams once the stages have read what was sent on them (nothing to do after abort)."""
+        if self._aborted:
+            return
         self._closing = True
         for task in self._watchers:
             task.cancel()
@@ -192,7 +198,7 @@ def encode(batch: MicroBatch) -> stage_pb2.MicroBatch:
     the other requests of the batch are computed as usual.
 
         encode(MicroBatch(7, [ok, Segment("r2", ..., sampling=Sampling(1.0, 1.0, 2**32, 1))]))
-        -> segments [ok, Segment.failed("r2", "the request cannot be sent to the stages: ...", 3, -1)]
+        -> segments [ok, Segment.failed("r2", "the request cannot be sent to the stages: ...", INVALID_ARGUMENT, -1)]
     """
     try:
         return batch_to_proto(batch)
@@ -205,7 +211,8 @@ def encode(batch: MicroBatch) -> stage_pb2.MicroBatch:
             segments.append(seg)
         except _UNENCODABLE as e:
             log.warning("a segment cannot be encoded: failing its request", request_id=seg.request_id, error=str(e))
-            segments.append(Segment.failed(seg.request_id, f"the request cannot be sent to the stages: {e}", 3, -1))
+            segments.append(Segment.failed(seg.request_id, f"the request cannot be sent to the stages: {e}",
+                                           Status.INVALID_ARGUMENT, -1))
     return batch_to_proto(replace(batch, segments=segments))
 
 

@@ -27,18 +27,19 @@ from coordinator.frontends.openai.defaults import GenerationDefaults
 from coordinator.frontends.openai.fields import (ApiError, bad, flag, get, integer, number, refuse_unsupported, stops,
                                        string)
 from coordinator.frontends.openai.prompt import ChatOptions
+from coordinator.core.status import FinishReason, Status
 from coordinator.core.validate import MAX_PROMPT_CHARS_PER_TOKEN, InvalidRequest
 from coordinator.frontends.service import GenerateInput, GenerationFailed
 
 __all__ = ["ApiError", "ParseContext", "OpenAIRequest", "parse_completion", "parse_chat", "parse_messages",
            "chat_options", "served_model", "from_generation_error", "completion", "chunk", "usage"]
 
-FINISH_REASONS = {"length": "length", "eos": "stop", "stop": "stop"}
-# GenerationFailed.code (a gRPC status number) -> HTTP status, OpenAI error type, error code
-GRPC_TO_HTTP: dict[int, tuple[int, str, str | None]] = {
-    3: (400, "invalid_request_error", None),                    # INVALID_ARGUMENT
-    8: (429, "rate_limit_error", "rate_limit_exceeded"),        # RESOURCE_EXHAUSTED
-    14: (503, "server_error", "service_unavailable"),           # UNAVAILABLE
+FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", FinishReason.STOP: "stop"}
+# GenerationFailed.code -> HTTP status, OpenAI error type, error code
+GRPC_TO_HTTP: dict[Status, tuple[int, str, str | None]] = {
+    Status.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+    Status.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    Status.UNAVAILABLE: (503, "server_error", "service_unavailable"),
 }
 CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}
 
@@ -48,7 +49,7 @@ def from_generation_error(e: Exception) -> ApiError:
     500 otherwise)."""
     if isinstance(e, InvalidRequest):
         return bad(str(e))
-    code = e.code if isinstance(e, GenerationFailed) else 13
+    code = e.code if isinstance(e, GenerationFailed) else Status.INTERNAL
     if isinstance(e, GenerationFailed) and not e.retryable:
         return bad(str(e))                    # e.g. it can never fit the KV limit: 429 would invite retries
     status, type_, err_code = GRPC_TO_HTTP.get(code, (500, "server_error", "internal_error"))

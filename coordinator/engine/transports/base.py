@@ -1,0 +1,31 @@
+"""What the engine sends micro-batches over (`Transport`), and what a replaceable pipeline adds (`Pipeline`).
+
+Transports: grpc.py (real stages), inprocess.py (stages in this process), simulated.py (a simulated clock).
+Only a `Pipeline` is swapped at run time (coordinator/engine/pipeline.py): the gRPC one.
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from services.batch import Control, MicroBatch
+
+
+class Transport(Protocol):
+    @property
+    def num_stages(self) -> int: ...
+
+    async def inject(self, batch: MicroBatch) -> None: ...
+    async def broadcast(self, control: Control) -> None: ...
+    def results(self) -> AsyncIterator[MicroBatch]: ...
+
+
+class Pipeline(Transport, Protocol):
+    """A transport over stages at addresses, that can be dropped at once (after a failure) or closed
+    (after a drain: what is in transit still arrives)."""
+
+    @property
+    def addresses(self) -> list[str]: ...
+
+    async def abort(self) -> None: ...
+    async def close(self) -> None: ...
