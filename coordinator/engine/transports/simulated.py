@@ -5,11 +5,13 @@ studied on a small machine in minutes.
 Model (all in milliseconds):
 - stage i takes `a + b * rows` per micro-batch (the emulated stage time), one micro-batch at a time, FIFO;
 - each hop (coordinator -> stage 0, stage -> stage, last stage -> coordinator) adds `hop_ms`;
-- the coordinator handles one event at a time; the actions an event produces leave when it is handled, then
-  the scheduler's deferred draft work runs, and its actions leave after that — as in the gRPC engine. The
-  draft work takes, by `draft_time`: (A, B) -> A ms per draft model call plus B ms per row those calls
-  computed (modelled, from the draft's `calls` and `rows` counters; a draft that runs no model is free), or
-  ("measured", scale) -> the draft's measured CPU compute time times `scale`;
+- the coordinator handles one event at a time; the actions an event produces leave when it is handled. The
+  scheduler's deferred draft work runs one round per "work" event, queued behind the events that arrived
+  before it, so a result that comes back during a round is handled before the next round — as in the gRPC
+  engine, whose scheduler lock lets waiting results in between draft rounds. A round takes, by
+  `draft_time`: (A, B) -> A ms per draft model call plus B ms per row those calls computed (modelled, from
+  the draft's `calls` and `rows` counters; a draft that runs no model is free), or ("measured", scale) ->
+  the draft's measured CPU compute time times `scale`;
 - control messages reach every stage at once.
 """
 from __future__ import annotations
@@ -113,23 +115,37 @@ class SimulatedPipeline:
                     if waiting:
                         arrivals.append(t)
 
+        work_due = [False]          # a "work" event is queued
+
         def handle(t: float, fn, *args) -> float:
-            """The coordinator handles one event at t; returns when it is free again."""
+            """The coordinator handles one event at t and queues its deferred draft work as a "work" event,
+            behind the events that arrived before it. Returns when the coordinator is free again."""
             fn(*args)
             dispatch(t)
-            while scheduler.has_work:
-                before = self._draft_counters(draft)
-                scheduler.work()
-                spent = self._draft_spent(before, self._draft_counters(draft))
-                self.draft_ms += spent
-                t += spent
-                dispatch(t)
+            if scheduler.has_work and not work_due[0]:
+                work_due[0] = True
+                push(t, "work", None)
+            return t
+
+        def work(t: float) -> float:
+            """One round of draft work from t; the next round queues behind what arrived meanwhile."""
+            work_due[0] = False
+            before = self._draft_counters(draft)
+            scheduler.work()
+            spent = self._draft_spent(before, self._draft_counters(draft))
+            self.draft_ms += spent
+            t += spent
+            dispatch(t)
+            if scheduler.has_work:
+                work_due[0] = True
+                push(t, "work", None)
             return t
 
         def admit(t: float) -> None:
             while arrivals:
                 arrivals.pop()
-                push(t, "submit", waiting.popleft())
+                if waiting:            # two requests may end in one event with one request left to send
+                    push(t, "submit", waiting.popleft())
 
         for r in (requests[:clients] if clients else requests):
             out[r.request_id].start_ms = coord_free
@@ -161,6 +177,9 @@ class SimulatedPipeline:
                     start(i, t)
             elif kind == "result":
                 coord_free = handle(max(t, coord_free), scheduler.on_result, payload)
+                admit(coord_free)
+            elif kind == "work":
+                coord_free = work(max(t, coord_free))
                 admit(coord_free)
             elif kind == "submit":
                 out[payload.request_id].start_ms = t
