@@ -9,16 +9,21 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import REGISTRY, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from services.batch import StageTrace
+from services.config import StageConfig
+from services.runner import StageRunner
 
-if TYPE_CHECKING:
-    from services.servicer import StageServicer
+
+class StageServicer(Protocol):
+    """What the gauges read of a live stage (services/servicer.py's StageServicer)."""
+    config: StageConfig
+    runner: StageRunner
 
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
