@@ -1,14 +1,15 @@
-"""StageConfig: everything one stage process needs, from CLI flags or environment (SPECPIPE_* vars)."""
+"""StageConfig: everything one stage process needs, from CLI flags or environment (SPECPIPE_* vars); TLSOptions,
+the internal hops' TLS files it shares with the coordinator."""
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import socket
 from dataclasses import dataclass
 
 import torch
 
+from services.options import add_flag, add_options, env_name, option, values
 from services.tls import COORDINATOR_NAME, STAGE_NAME, PeerNames, TLSFiles
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -77,32 +78,56 @@ def check_device(device: str) -> str:
     return device
 
 
+@dataclass(frozen=True, kw_only=True)
+class TLSOptions:
+    """Mutual TLS on the internal hops (PEM files), for the stage and the coordinator alike."""
+    tls_cert: str = option("", "this service's certificate (PEM); with --tls-key turns TLS on")
+    tls_key: str = option("", "its private key (PEM)")
+    tls_ca: str = option("", "CA bundle peers must chain to; a stage needs it with --tls-cert and refuses clients "
+                             "without a certificate from it")
+
+    @property
+    def tls(self) -> TLSFiles:
+        return TLSFiles(self.tls_cert, self.tls_key, self.tls_ca)
+
+
 @dataclass(frozen=True)
-class StageConfig:
-    model: str = "default"              # HF folder, hub id, or "default" (embedded SmolLM2-135M-Instruct)
-    stage: int = 0                      # this stage's index
-    num_stages: int = 1
-    first_layer: int = -1               # -1: even split of the model's layers over num_stages
+class StageConfig(TLSOptions):
+    """One stage's settings; each `option` is also a flag and a SPECPIPE_* variable (services/options.py), in
+    the order of `specpipe stage --help`."""
+    model: str = option("default", "Hugging Face folder or hub id; 'default' = embedded SmolLM2-135M-Instruct")
+    stage: int = option(0, "this stage's index, or 'auto': the ordinal at the end of the host name (a "
+                           "StatefulSet pod NAME-3 is stage 3)", type=str)
+    num_stages: int = option(1)
+    host: str = option("127.0.0.1")
+    port: int = option(0)               # 0: pick a free port (printed and written to port_file)
+    port_file: str = option("", argparse.SUPPRESS, env=None)     # write the bound port here once serving
+    next_hop: str = option("", "HOST:PORT of the next stage (empty on the last stage); '{next}' in it is replaced "
+                               "by this stage's index + 1, and ignored on the last stage")
+    dtype: str = option("float32", choices=sorted(DTYPES))
+    device: str = option("cpu")
+    threads: int = option(1)            # torch intra-op threads
+    stage_time_ms: str = option("0", "emulated stage time: at least A ms per step plus B ms per row ('A' or 'A+B')")
+    grace_s: float = option(10.0)       # drain time on SIGTERM
+    kv_limit_mb: float = option(0.0, "K/V cache memory for all requests together (0 = no limit); a request that "
+                                     "would pass it fails with RESOURCE_EXHAUSTED, and the coordinator admits "
+                                     "requests only while their reserved KV fits")
+    health_port: int = option(0, "also serve grpc.health.v1 alone in plaintext on this port (kubelet probes when "
+                                 "the main port requires TLS; 0 = off)")
+    metrics_port: int = option(0, "serve Prometheus metrics on this port, on --host (0 = off)")
+    # with TLS on, which peers a stage serves, by the names in their certificates (common name or SAN)
+    tls_coordinator_name: str = option(COORDINATOR_NAME, "the coordinator's certificate name: the only peer "
+                                       f"allowed Configure, Results and Control (default {COORDINATOR_NAME})")
+    tls_peer_names: tuple[str, ...] = option((STAGE_NAME,), "comma-separated certificate names of the stages "
+                                             f"allowed Forward besides the coordinator (default {STAGE_NAME}); "
+                                             "unused with --tls-peer-template")
+    tls_peer_template: str = option("", "one certificate per stage: the stages' certificate name with {index} for "
+                                        "the index, e.g. specpipe-stage-{index}; stage i then accepts Forward only "
+                                        "from the name of index i-1 (stage 0 only from the coordinator), following "
+                                        "the index Configure gives it")
+    first_layer: int = -1               # -1: even split of the model's layers over num_stages (flag --layers A:B)
     last_layer: int = -1                # exclusive; -1: even split
-    host: str = "127.0.0.1"
-    port: int = 0                       # 0: pick a free port (printed and written to port_file)
-    port_file: str = ""                 # write the bound port here once serving
-    next_hop: str = ""                  # HOST:PORT of the next stage; empty on the last stage
-    dtype: str = "float32"
-    device: str = "cpu"
-    threads: int = 1                    # torch intra-op threads
-    stage_time_ms: str = "0"            # emulated stage time "A" or "A+B" (A ms per step + B ms per row)
-    grace_s: float = 10.0               # drain time on SIGTERM
     max_message_mb: int = 256           # gRPC send/receive limit
-    kv_limit_mb: float = 0.0            # K/V memory of all requests together; 0 = no limit
-    tls_cert: str = ""                  # PEM certificate of this stage (server and, to the next hop, client)
-    tls_key: str = ""
-    tls_ca: str = ""                    # CA that peers' certificates must chain to (mutual TLS)
-    tls_coordinator_name: str = COORDINATOR_NAME        # certificate name allowed Configure/Results/Control
-    tls_peer_names: tuple[str, ...] = (STAGE_NAME,)     # and these (stages) besides it, Forward
-    tls_peer_template: str = ""         # or, one certificate per stage: stage i-1's name, "{index}" its index
-    metrics_port: int = 0               # Prometheus metrics on HOST:metrics_port (0 = off)
-    health_port: int = 0                # plaintext grpc.health.v1 only, for probes when TLS is on (0 = off)
 
     def __post_init__(self) -> None:
         if self.num_stages < 1:
@@ -133,10 +158,6 @@ class StageConfig:
         return parse_dtype(self.dtype)
 
     @property
-    def tls(self) -> TLSFiles:
-        return TLSFiles(self.tls_cert, self.tls_key, self.tls_ca)
-
-    @property
     def peer_names(self) -> PeerNames | None:
         """Who may call which RPC (services/tls.py), or None with TLS off (no identities to check). With
         `tls_peer_template` it depends on `stage`: rebuild it when Configure moves the stage."""
@@ -150,38 +171,7 @@ class StageConfig:
 
     @classmethod
     def add_arguments(cls, p: argparse.ArgumentParser) -> None:
-        p.add_argument("--model", default=os.environ.get("SPECPIPE_MODEL", cls.model),
-                       help="Hugging Face folder or hub id; 'default' = embedded SmolLM2-135M-Instruct")
-        p.add_argument("--stage", default=os.environ.get("SPECPIPE_STAGE", str(cls.stage)),
-                       help="this stage's index, or 'auto': the ordinal at the end of the host name "
-                            "(a StatefulSet pod NAME-3 is stage 3)")
-        p.add_argument("--num-stages", type=int, default=_env_int("SPECPIPE_NUM_STAGES", cls.num_stages))
-        p.add_argument("--layers", default=os.environ.get("SPECPIPE_LAYERS", ""),
-                       help="layer range A:B held by this stage (default: even split)")
-        p.add_argument("--host", default=os.environ.get("SPECPIPE_HOST", cls.host))
-        p.add_argument("--port", type=int, default=_env_int("SPECPIPE_PORT", cls.port))
-        p.add_argument("--port-file", default=cls.port_file, help=argparse.SUPPRESS)
-        p.add_argument("--next-hop", default=os.environ.get("SPECPIPE_NEXT_HOP", cls.next_hop),
-                       help="HOST:PORT of the next stage (empty on the last stage); '{next}' in it is "
-                            "replaced by this stage's index + 1, and ignored on the last stage")
-        p.add_argument("--dtype", default=os.environ.get("SPECPIPE_DTYPE", cls.dtype), choices=sorted(DTYPES))
-        p.add_argument("--device", default=os.environ.get("SPECPIPE_DEVICE", cls.device))
-        p.add_argument("--threads", type=int, default=_env_int("SPECPIPE_THREADS", cls.threads))
-        p.add_argument("--stage-time-ms", default=os.environ.get("SPECPIPE_STAGE_TIME_MS", cls.stage_time_ms),
-                       help="emulated stage time: at least A ms per step plus B ms per row ('A' or 'A+B')")
-        p.add_argument("--grace-s", type=float, default=float(os.environ.get("SPECPIPE_GRACE_S", cls.grace_s)))
-        p.add_argument("--kv-limit-mb", type=float,
-                       default=float(os.environ.get("SPECPIPE_KV_LIMIT_MB", cls.kv_limit_mb)),
-                       help="K/V cache memory for all requests together (0 = no limit); a request that "
-                            "would pass it fails with RESOURCE_EXHAUSTED, and the coordinator admits "
-                            "requests only while their reserved KV fits")
-        p.add_argument("--health-port", type=int, default=_env_int("SPECPIPE_HEALTH_PORT", cls.health_port),
-                       help="also serve grpc.health.v1 alone in plaintext on this port (kubelet probes when "
-                            "the main port requires TLS; 0 = off)")
-        p.add_argument("--metrics-port", type=int, default=_env_int("SPECPIPE_METRICS_PORT", cls.metrics_port),
-                       help="serve Prometheus metrics on this port, on --host (0 = off)")
-        add_tls_arguments(p)
-        add_tls_identity_arguments(p)
+        add_options(p, cls, own=True, after={"num_stages": _layers_argument, "metrics_port": tls_arguments})
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "StageConfig":
@@ -198,15 +188,10 @@ class StageConfig:
         next_hop = args.next_hop
         if "{next}" in next_hop:
             next_hop = next_hop.replace("{next}", str(stage + 1)) if stage + 1 < num_stages else ""
-        return cls(model=args.model, stage=stage, num_stages=num_stages, first_layer=first,
-                   last_layer=last, host=args.host, port=args.port, port_file=args.port_file,
-                   next_hop=next_hop, dtype=args.dtype, device=args.device, threads=args.threads,
-                   stage_time_ms=args.stage_time_ms, grace_s=args.grace_s, kv_limit_mb=args.kv_limit_mb,
-                   tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
-                   tls_coordinator_name=args.tls_coordinator_name.strip(),
-                   tls_peer_names=tuple(args.tls_peer_names.split(",")),
-                   tls_peer_template=args.tls_peer_template.strip(),
-                   metrics_port=args.metrics_port, health_port=args.health_port)
+        return cls(**values(cls, args) | dict(
+            stage=stage, num_stages=num_stages, first_layer=first, last_layer=last, next_hop=next_hop,
+            tls_coordinator_name=args.tls_coordinator_name.strip(),
+            tls_peer_names=tuple(args.tls_peer_names.split(",")), tls_peer_template=args.tls_peer_template.strip()))
 
     @classmethod
     def from_env(cls) -> "StageConfig":
@@ -215,29 +200,14 @@ class StageConfig:
         return cls.from_args(p.parse_args([]))
 
 
-def add_tls_arguments(p: argparse.ArgumentParser) -> None:
-    """Mutual TLS on the internal hops (PEM files; SPECPIPE_TLS_* in the environment)."""
-    p.add_argument("--tls-cert", default=os.environ.get("SPECPIPE_TLS_CERT", ""),
-                   help="this service's certificate (PEM); with --tls-key turns TLS on")
-    p.add_argument("--tls-key", default=os.environ.get("SPECPIPE_TLS_KEY", ""), help="its private key (PEM)")
-    p.add_argument("--tls-ca", default=os.environ.get("SPECPIPE_TLS_CA", ""),
-                   help="CA bundle peers must chain to; a stage needs it with --tls-cert and refuses clients "
-                        "without a certificate from it")
+def tls_arguments(p: argparse.ArgumentParser) -> None:
+    """--tls-cert, --tls-key, --tls-ca (SPECPIPE_TLS_*), for the stage and the coordinator."""
+    add_options(p, TLSOptions)
 
 
-def add_tls_identity_arguments(p: argparse.ArgumentParser) -> None:
-    """Which peers a stage serves with TLS on, by the names in their certificates (common name or SAN)."""
-    p.add_argument("--tls-coordinator-name",
-                   default=os.environ.get("SPECPIPE_TLS_COORDINATOR_NAME", COORDINATOR_NAME),
-                   help="the coordinator's certificate name: the only peer allowed Configure, Results and Control "
-                        f"(default {COORDINATOR_NAME})")
-    p.add_argument("--tls-peer-names", default=os.environ.get("SPECPIPE_TLS_PEER_NAMES", STAGE_NAME),
-                   help="comma-separated certificate names of the stages allowed Forward besides the coordinator "
-                        f"(default {STAGE_NAME}); unused with --tls-peer-template")
-    p.add_argument("--tls-peer-template", default=os.environ.get("SPECPIPE_TLS_PEER_TEMPLATE", ""),
-                   help="one certificate per stage: the stages' certificate name with {index} for the index, e.g. "
-                        "specpipe-stage-{index}; stage i then accepts Forward only from the name of index i-1 "
-                        "(stage 0 only from the coordinator), following the index Configure gives it")
+def _layers_argument(p: argparse.ArgumentParser) -> None:
+    """--layers A:B, read into first_layer and last_layer by StageConfig.from_args."""
+    add_flag(p, "--layers", "", "layer range A:B held by this stage (default: even split)", env=env_name("layers"))
 
 
 def stage_index(value: str, hostname: str | None = None) -> int:
@@ -256,8 +226,4 @@ def stage_index(value: str, hostname: str | None = None) -> int:
     if not m:
         raise ValueError(f"--stage auto: the host name {host!r} does not end with -<ordinal>")
     return int(m.group(1))
-
-
-def _env_int(name: str, default: int) -> int:
-    return int(os.environ.get(name, default))
 

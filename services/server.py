@@ -1,7 +1,6 @@
 """The stage process: `specpipe stage ...` (or `python -m services.server ...`)."""
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 from pathlib import Path
@@ -14,6 +13,7 @@ from services.grpc_server import Server
 from services.logs import configure, get_logger
 from services.model.loader import resolve_model, stderr_log
 from services.model.shard import even_split, load_shard
+from services.options import service_parser
 from services.runner import StageRunner
 from services.servicer import StageServicer
 
@@ -61,23 +61,23 @@ async def serve(config: StageConfig) -> None:
     await server.serve_until_signal(config.grace_s, on_stop=servicer.close)
 
 
+EXAMPLES = """examples (a 2-stage pipeline on one machine; then `specpipe coordinator`):
+  specpipe stage --stage 0 --num-stages 2 --port 50061 --next-hop 127.0.0.1:50062
+  specpipe stage --stage 1 --num-stages 2 --port 50062
+  specpipe stage --model ~/models/llama --stage 0 --num-stages 4 --layers 0:8 --device cuda:0 \\
+      --dtype bfloat16 --next-hop stage-1:50061
+  specpipe stage --stage auto --num-stages 4 \\
+      --next-hop 'rel-specpipe-stage-{next}.rel-specpipe-stage:50061'     # in a StatefulSet pod
+  specpipe stage --tls-cert stage.crt --tls-key stage.key --tls-ca ca.crt \\
+      --tls-coordinator-name specpipe-coordinator --tls-peer-names specpipe-stage   # mutual TLS
+  specpipe stage --stage auto --tls-cert pod.crt --tls-key pod.key --tls-ca ca.crt \\
+      --tls-peer-template 'rel-specpipe-stage-{index}'   # a certificate per stage: Forward from i-1
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="specpipe stage", description="Serve one pipeline stage.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples (a 2-stage pipeline on one machine; then `specpipe coordinator`):\n"
-               "  specpipe stage --stage 0 --num-stages 2 --port 50061 --next-hop 127.0.0.1:50062\n"
-               "  specpipe stage --stage 1 --num-stages 2 --port 50062\n"
-               "  specpipe stage --model ~/models/llama --stage 0 --num-stages 4 --layers 0:8 --device cuda:0 \\\n"
-               "      --dtype bfloat16 --next-hop stage-1:50061\n"
-               "  specpipe stage --stage auto --num-stages 4 \\\n"
-               "      --next-hop 'rel-specpipe-stage-{next}.rel-specpipe-stage:50061'     # in a StatefulSet pod\n"
-               "  specpipe stage --tls-cert stage.crt --tls-key stage.key --tls-ca ca.crt \\\n"
-               "      --tls-coordinator-name specpipe-coordinator --tls-peer-names specpipe-stage   # mutual TLS\n"
-               "  specpipe stage --stage auto --tls-cert pod.crt --tls-key pod.key --tls-ca ca.crt \\\n"
-               "      --tls-peer-template 'rel-specpipe-stage-{index}'   # a certificate per stage: Forward from i-1\n"
-               "Most options also read SPECPIPE_<OPTION> from the environment (SPECPIPE_STAGE, "
-               "SPECPIPE_TLS_CERT, ...).")
+    parser = service_parser("specpipe stage", "Serve one pipeline stage.", EXAMPLES, "SPECPIPE_STAGE",
+                            "SPECPIPE_TLS_CERT")
     StageConfig.add_arguments(parser)
     args = parser.parse_args(argv)
     try:

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from coordinator.bench.run import BenchConfig, load_prompts, percentile, run_bench, table
+from coordinator.bench.common import BenchConfig, load_prompts, percentile
+from coordinator.bench.run import run_bench, table
 from reference import hf_greedy
 
 REQUIRED = {"method", "stages", "concurrency", "tbt_ms_mean", "tbt_ms_p50", "tbt_ms_p90", "ttft_ms_mean",
@@ -109,13 +110,13 @@ def test_simulated_clock_matches_the_latency_model(tiny_model8, tmp_path):
 
 
 def test_specpipe_sweeps_topk_and_draft_rounds_and_rows_split_the_steps():
-    from coordinator.bench.run import Variant, summarize
+    from coordinator.bench.common import Variant, summarize
     cfg = BenchConfig(stages=[8], methods=["pp", "specpipe"], widths=[32, 64], policies=["hybrid"],
                       topks=[8, 16], draft_rounds=[2])
     labels = [v.label for v in cfg.variants]
     assert labels == ["pp", "specpipe/hybrid/w32/topk8/rounds2", "specpipe/hybrid/w32/topk16/rounds2",
                       "specpipe/hybrid/w64/topk8/rounds2", "specpipe/hybrid/w64/topk16/rounds2"]
-    assert cfg.variants[2].overrides() == {"topk": 16, "draft_rounds": 2, "width": 32, "policy": "hybrid"}
+    assert cfg.variants[2].overrides() == {"topk": 16, "draft_rounds": 2, "width": 32, "tree_policy": "hybrid"}
     runs = [{"tbt_ms": 100.0, "ttft_ms": 900.0, "wall_ms": 5000.0, "tokens": 11, "steps": 20, "decode_steps": 10,
              "lag_steps": 2, "refill_steps": 6, "warm_restarts": 1, "hits": 9, "misses": 2},
             {"tbt_ms": 120.0, "ttft_ms": 900.0, "wall_ms": 5000.0, "tokens": 21, "steps": 30, "decode_steps": 30,

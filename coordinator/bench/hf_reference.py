@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from coordinator.bench.run import Variant, percentile
+from coordinator.bench.common import Variant, percentile
 
 
 class _Clock:

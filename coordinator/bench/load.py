@@ -5,14 +5,14 @@ set), so c requests are in the server at all times except at the edges. Levels r
 within a level, the methods one after another, so drift is shared within a level. Per (method,
 concurrency) one row: throughput (tokens of all requests / wall time of the level), time between tokens
 p50/p90 over requests (each request's mean gap), time to first token, and the stage-compute overrun flags
-of bench.summarize.
+of common.summarize.
 """
 from __future__ import annotations
 
 import asyncio
 import time
 
-from coordinator.bench.run import Variant, _one, percentile, summarize
+from coordinator.bench.common import Variant, generate_one, percentile, summarize
 from coordinator.frontends.service import Coordinator
 
 
@@ -25,7 +25,7 @@ async def run_level(coordinator: Coordinator, variant: Variant, prompts: list[di
     async def client() -> None:
         while work:
             seed, prompt = work.pop(0)
-            runs.append(await _one(coordinator, variant, prompt, max_new, temperature, seed))
+            runs.append(await generate_one(coordinator, variant, prompt, max_new, temperature, seed))
 
     started = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))

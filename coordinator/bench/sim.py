@@ -18,7 +18,7 @@ from services.config import describe_draft_time, parse_draft_time, parse_dtype, 
 from services.model.shard import load_shard
 from services.runner import StageRunner
 
-from coordinator.bench.run import BenchConfig, Variant, load_prompts, summarize
+from coordinator.bench.common import BenchConfig, Variant, load_prompts, summarize
 from coordinator.core.drafts.factory import build_draft
 from coordinator.engine.transports.simulated import SimulatedPipeline
 from coordinator.core.schedulers.base import Request

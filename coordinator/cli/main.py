@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING, NoReturn
 
 from services.logs import configure
+from services.options import add_flag
 
 if TYPE_CHECKING:                       # imported lazily at run time: `specpipe generate` needs no torch
     from coordinator.cli.local import LocalStages
@@ -143,12 +144,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     _generation_args(p)
     p.add_argument("--addr", default="127.0.0.1:50051", help="coordinator HOST:PORT")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the call is given up")
-    p.add_argument("--tls-ca", default=os.environ.get("SPECPIPE_API_TLS_CA", ""),
-                   help="connect over TLS, trusting this CA bundle (PEM)")
+    add_flag(p, "--tls-ca", "", "connect over TLS, trusting this CA bundle (PEM)", env="SPECPIPE_API_TLS_CA")
     p.add_argument("--insecure", action="store_true",
                    help="send --token without TLS to another machine (only on a trusted network)")
-    p.add_argument("--token", default=os.environ.get("SPECPIPE_API_TOKEN", ""),
-                   help="bearer token of the API (prefer the SPECPIPE_API_TOKEN environment variable)")
+    add_flag(p, "--token", "", "bearer token of the API (prefer the SPECPIPE_API_TOKEN environment variable)",
+             env="SPECPIPE_API_TOKEN")
 
 
 def _generate_parser() -> argparse.ArgumentParser:

@@ -11,6 +11,7 @@ from protos import generation_pb2, generation_pb2_grpc
 from services.config import MiB
 from services.grpc_server import Server
 from services.logs import configure, get_logger
+from services.options import service_parser
 from services.tls import TLSFiles
 
 from coordinator.frontends.grpc_api import ApiTokenInterceptor, GenerationServicer, serving_state
@@ -170,18 +171,18 @@ def _pod_namespace() -> str:
         return "default"
 
 
+EXAMPLES = """examples (over the stages of `specpipe stage --help`; then `specpipe generate`):
+  specpipe coordinator --stages 127.0.0.1:50061,127.0.0.1:50062 --port 50051
+  specpipe coordinator --stages 127.0.0.1:50061,127.0.0.1:50062 --method pp --max-active 16
+  SPECPIPE_API_TOKEN=s3cret specpipe coordinator \\
+      --stages 'rel-specpipe-stage-{i}.rel-specpipe-stage:50061' --num-stages 4 \\
+      --api-tls-cert tls.crt --api-tls-key tls.key
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="specpipe coordinator", description="Serve the public Generate API over a pipeline of stages.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples (over the stages of `specpipe stage --help`; then `specpipe generate`):\n"
-               "  specpipe coordinator --stages 127.0.0.1:50061,127.0.0.1:50062 --port 50051\n"
-               "  specpipe coordinator --stages 127.0.0.1:50061,127.0.0.1:50062 --method pp --max-active 16\n"
-               "  SPECPIPE_API_TOKEN=s3cret specpipe coordinator \\\n"
-               "      --stages 'rel-specpipe-stage-{i}.rel-specpipe-stage:50061' --num-stages 4 \\\n"
-               "      --api-tls-cert tls.crt --api-tls-key tls.key\n"
-               "Most options also read SPECPIPE_<OPTION> from the environment (SPECPIPE_STAGES, "
-               "SPECPIPE_API_TOKEN, ...).")
+    parser = service_parser("specpipe coordinator", "Serve the public Generate API over a pipeline of stages.",
+                            EXAMPLES, "SPECPIPE_STAGES", "SPECPIPE_API_TOKEN")
     CoordinatorConfig.add_arguments(parser)
     parser.add_argument("--port-file", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -119,12 +119,7 @@ class Coordinator:
         torch.set_num_threads(config.draft_threads)
         draft = await asyncio.to_thread(build_draft, config.draft, config.model, config.draft_model,
                                         config.draft_device, config.draft_dtype)
-        spec = SpecOptions(draft=draft, width=config.width, policy=config.tree_policy, topk=config.topk,
-                           draft_rounds=config.draft_rounds,
-                           sps_k=config.sps_k, tree_nodes=config.tree_nodes, tree_depth=config.tree_depth, tree_topk=config.tree_topk,
-                           pipeinfer_run=config.pipeinfer_run, pipeinfer_min_prob=config.pipeinfer_min_prob,
-                           node_budget=config.node_budget, prefill_chunk=config.prefill_chunk,
-                           verify=config.verify)
+        spec = config.spec_options(draft)
         admission = Admission(config.max_active, config.max_queue, kv_slots(pipeline),
                               max_per_client=config.max_per_client)
         engine = Engine(pipeline, default_method=config.method, spec=spec, admission=admission,

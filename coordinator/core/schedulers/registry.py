@@ -1,7 +1,9 @@
 """Method name -> scheduler."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+from services.options import option
 
 from coordinator.core.drafts.base import DraftSource
 from coordinator.core.schedulers.base import Scheduler
@@ -9,27 +11,44 @@ from coordinator.core.schedulers.cbpp import CBPPScheduler
 from coordinator.core.schedulers.pp import PPScheduler
 from coordinator.core.schedulers.specpipe import SpecPipeScheduler
 from coordinator.core.schedulers.trip import make_pipeinfer, make_sps, make_tree
+from coordinator.core.verify import VERIFIERS
 
 METHODS = ("pp", "specpipe", "sps", "tree", "pipeinfer", "cb-pp")
+TREE_POLICIES = ("layer", "best-first", "hybrid")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Speculation:
+    """The speculation and batching settings, each declared once: CoordinatorConfig inherits them (with a flag
+    and an environment variable each, e.g. --width and SPECPIPE_WIDTH; services/options.py), SpecOptions adds
+    the draft source, and `spec_options` carries one into the other."""
+    width: int = option(32, "tree nodes injected per step")          # measured: README "Measured"
+    tree_policy: str = option("hybrid", choices=TREE_POLICIES)
+    topk: int = option(16, "children the draft proposes per node")
+    draft_rounds: int = option(2, "specpipe: draft calls per step; each expands the best not-yet-expanded nodes so "
+                                  "a micro-batch can span several tree layers (layer policy: 1)")
+    sps_k: int = option(4, "sps: draft tokens per trip")
+    tree_nodes: int = option(32, "tree: nodes per trip")
+    tree_depth: int = option(6, "tree: expansion rounds per trip")
+    tree_topk: int = option(8, "tree: nodes expanded per round")
+    pipeinfer_run: int = option(4, "pipeinfer: draft tokens per run")
+    pipeinfer_min_prob: float = option(0.1, "pipeinfer: end a run where the draft's probability falls below this")
+    verify: str = option("match", "sampling verification: match (the target's seeded sample decides; "
+                                  "reproducible, ships one token per row) or rejection (speculative sampling; "
+                                  "ships distributions)", choices=VERIFIERS)      # coordinator/core/verify.py
+    node_budget: int = option(32, "specpipe, cb-pp: rows per micro-batch shared by all requests in it")
+    prefill_chunk: int = option(256, "specpipe, cb-pp: prompt rows per micro-batch, beside the node budget (a "
+                                     "longer prompt continues in the next micro-batch)")
+
+    def spec_options(self, draft: DraftSource | None) -> SpecOptions:
+        """These settings with a draft source, for the schedulers."""
+        return SpecOptions(draft, **{f.name: getattr(self, f.name) for f in fields(Speculation)})
 
 
 @dataclass(frozen=True)
-class SpecOptions:
-    """Speculation and batching settings of the schedulers."""
+class SpecOptions(Speculation):
+    """Speculation and batching settings of the schedulers: `SpecOptions(draft, width=4)`."""
     draft: DraftSource | None = None
-    width: int = 32           # specpipe: tree nodes per micro-batch (measured: README "Measured")
-    policy: str = "hybrid"
-    topk: int = 16            # specpipe: children the draft proposes per node
-    draft_rounds: int = 2     # specpipe: draft calls per step (run-ahead; layer: 1)
-    sps_k: int = 4            # sps: draft tokens per trip
-    tree_nodes: int = 32      # tree: nodes per trip
-    tree_depth: int = 6       # tree: expansion rounds per trip
-    tree_topk: int = 8        # tree: nodes expanded per round
-    pipeinfer_run: int = 4    # pipeinfer: draft tokens per speculative run
-    pipeinfer_min_prob: float = 0.1   # pipeinfer: stop a run where the draft is less sure than this
-    node_budget: int = 32     # specpipe, cb-pp: rows per micro-batch, shared by the requests in it
-    prefill_chunk: int = 256  # specpipe, cb-pp: prompt rows per micro-batch, beside the node budget
-    verify: str = "match"     # sampling: match (seeded sample-then-match) | rejection (coordinator/core/verify.py)
 
 
 def make_scheduler(method: str, num_stages: int, spec: SpecOptions | None = None) -> Scheduler:
@@ -41,7 +60,7 @@ def make_scheduler(method: str, num_stages: int, spec: SpecOptions | None = None
     if method == "specpipe":
         if spec.draft is None:
             raise ValueError("method 'specpipe' needs a draft source (--draft quant|quant+ngram|ngram|model)")
-        return SpecPipeScheduler(num_stages, spec.draft, spec.width, spec.policy, spec.topk, spec.node_budget,
+        return SpecPipeScheduler(num_stages, spec.draft, spec.width, spec.tree_policy, spec.topk, spec.node_budget,
                                  spec.verify, spec.draft_rounds, spec.prefill_chunk)
     if method in ("sps", "tree", "pipeinfer"):
         if spec.draft is None:

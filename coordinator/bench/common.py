@@ -1,0 +1,190 @@
+"""What the bench's runners share: the variants and the configuration of a run, the prompts, one request
+through a coordinator, and the row of results.json that a variant's runs make (`summarize`).
+
+run.py (one request at a time), load.py (many clients at once), sim.py (the simulated clock) and
+hf_reference.py (transformers' own generate) import this module; it imports none of them.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import statistics
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from services.config import parse_draft_time, parse_stage_time
+
+from coordinator.core.schedulers.registry import Speculation
+from coordinator.frontends.service import Coordinator, GenerateInput
+
+OVERRUN = 0.9    # flag a stage whose real compute per step exceeds this share of its emulated time
+
+
+@dataclass(frozen=True)
+class Variant:
+    method: str
+    width: int | None = None
+    policy: str | None = None
+    extra: tuple[tuple[str, int | str], ...] = ()     # other Speculation fields, e.g. (("sps_k", 4),)
+
+    @property
+    def label(self) -> str:
+        base = self.method if self.width is None else f"{self.method}/{self.policy}/w{self.width}"
+        return base + "".join(f"/{k.split('_')[-1]}{v}" if isinstance(v, int) else f"/{v}" for k, v in self.extra)
+
+    def overrides(self) -> dict:
+        """Speculation fields this variant sets (the rest keep the server's settings)."""
+        out = dict(self.extra)
+        if self.width is not None:
+            out["width"] = self.width
+        if self.policy is not None:
+            out["tree_policy"] = self.policy
+        return out
+
+
+@dataclass
+class BenchConfig:
+    stages: list[int]
+    methods: list[str]
+    widths: list[int]
+    policies: list[str]
+    stage_time_ms: str = "120"
+    max_new_tokens: int = 32
+    prompts: str = ""                  # JSON lines {"prompt": ..., "raw": ...}; empty = shipped set
+    num_prompts: int = 4
+    out: str = "bench-out"
+    model: str = "default"
+    draft: str = "quant"
+    dtype: str = "float32"
+    device: str = "cpu"
+    threads: int = 1
+    hf_reference: bool = False         # also time transformers' generate / assisted generate in-process
+    sps_ks: list[int] = field(default_factory=list)                    # sweep of sps k (empty: default)
+    tree_shapes: list[tuple[int, int]] = field(default_factory=list)   # sweep of tree (nodes, depth)
+    concurrency: list[int] = field(default_factory=lambda: [1])   # >1: clients at once (bench_load)
+    rounds: int = 2                    # requests per client at each concurrency level
+    temperature: float = 0.0           # > 0: sample (prompt i uses seed i + 1 for every variant)
+    verifies: list[str] = field(default_factory=list)   # sweep of --verify for specpipe, sps, tree
+    node_budget: int = Speculation.node_budget     # specpipe, cb-pp: rows per micro-batch shared by requests
+    topks: list[int] = field(default_factory=list)          # sweep of specpipe's --topk (empty: default)
+    draft_rounds: list[int] = field(default_factory=list)   # sweep of specpipe's --draft-rounds
+    draft_time_ms: str = ""            # --simulate: draft cost "A[+B]" ms per call [+ per row], "measured";
+                                       # empty: 0.3 x the stage time (services/config.py parse_draft_time)
+    variants: list[Variant] = field(default_factory=list)
+
+    @property
+    def load(self) -> bool:
+        """A concurrency sweep rather than one request at a time."""
+        return self.concurrency != [1]
+
+    def __post_init__(self) -> None:
+        parse_draft_time(self.draft_time_ms, parse_stage_time(self.stage_time_ms))
+        if not self.concurrency or min(self.concurrency) < 1 or self.rounds < 1:
+            raise ValueError("concurrency levels and rounds must be at least 1")
+        if not self.variants:
+            for m in self.methods:
+                if m == "specpipe":
+                    extras = [tuple(e) for e in itertools.product(
+                        *([("topk", k) for k in self.topks] or [None], [("draft_rounds", r) for r in self.draft_rounds]
+                          or [None]))]
+                    self.variants += [Variant(m, w, p, tuple(x for x in e if x)) for p in self.policies
+                                      for w in self.widths for e in extras]
+                elif m == "sps" and self.sps_ks:
+                    self.variants += [Variant(m, extra=(("sps_k", k),)) for k in self.sps_ks]
+                elif m == "tree" and self.tree_shapes:
+                    self.variants += [Variant(m, extra=(("tree_nodes", n), ("tree_depth", d)))
+                                      for n, d in self.tree_shapes]
+                else:
+                    self.variants.append(Variant(m))
+            if self.verifies:
+                self.variants = [w for v in self.variants for w in _with_verifiers(v, self.verifies)]
+
+
+def _with_verifiers(v: Variant, verifies: list[str]) -> list[Variant]:
+    if v.method not in ("specpipe", "sps", "tree"):
+        return [v]
+    return [Variant(v.method, v.width, v.policy, v.extra + (("verify", ver),)) for ver in verifies]
+
+
+def load_prompts(path: str, n: int) -> list[dict]:
+    text = Path(path).read_text() if path else \
+        resources.files("coordinator.bench").joinpath("data/prompts.jsonl").read_text()
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    for i, r in enumerate(rows):
+        text_ok = isinstance(r.get("prompt"), str) and r["prompt"]
+        ids_ok = isinstance(r.get("prompt_token_ids"), list) and r["prompt_token_ids"]
+        if not (text_ok or ids_ok):
+            raise ValueError(f"prompt file line {i + 1}: needs a non-empty 'prompt' (text) or 'prompt_token_ids'")
+    return rows[:n] if n > 0 else rows
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def summarize(variant: Variant, stages: int, runs: list[dict], stage_time: tuple[float, float],
+              cores: int | None = None) -> dict:
+    """One row of results.json from the runs' stats. `cores` (default: this machine's) bounds the real
+    compute per step the machine can keep up with: past cores x the emulated step, the row is machine-bound."""
+    tbts = [r["tbt_ms"] for r in runs]
+    tokens = sum(r["tokens"] for r in runs)
+    steps = sum(r["steps"] for r in runs)
+    hits = sum(r.get("hits", 0) for r in runs)
+    misses = sum(r.get("misses", 0) for r in runs)
+    wall = sum(r["wall_ms"] for r in runs) / 1e3
+    batches = sum(r.get("batches", 0) for r in runs) or 1
+    compute = [sum(r.get(f"stage{i}_compute_ms", 0.0) for r in runs) / batches for i in range(stages)]
+    rows = sum(r.get("stage0_rows_computed", 0) for r in runs) / batches
+    emulated = stage_time[0] + stage_time[1] * rows
+    flagged = [i for i, c in enumerate(compute) if emulated > 0 and c > OVERRUN * emulated]
+    cores = machine_cores() if cores is None else cores
+    per_step = sum(compute) + sum(r.get("draft_ms", 0.0) for r in runs) / batches   # stages' + draft's compute
+    machine_bound = per_step > cores * emulated if emulated > 0 else None            # None: no emulated time
+    return {"method": variant.method, "label": variant.label, "width": variant.width, "tree_policy": variant.policy,
+            "stages": stages, "concurrency": 1, "requests": len(runs),
+            "tbt_ms_mean": statistics.fmean(tbts) if tbts else 0.0, "tbt_ms_p50": percentile(tbts, 0.5),
+            "tbt_ms_p90": percentile(tbts, 0.9),
+            "ttft_ms_mean": statistics.fmean(r["ttft_ms"] for r in runs) if runs else 0.0,
+            "tokens_per_step": tokens / steps if steps else 0.0,
+            "decode_tokens_per_step": (sum(r["tokens"] - 1 for r in runs) / decode_steps
+                                       if (decode_steps := sum(r.get("decode_steps", 0) for r in runs)) else 0.0),
+            "lag_steps": sum(r.get("lag_steps", 0) for r in runs) / max(len(runs), 1),
+            "refill_steps": sum(r.get("refill_steps", 0) for r in runs) / max(len(runs), 1),
+            "warm_restarts": sum(r.get("warm_restarts", 0) for r in runs) / max(len(runs), 1),
+            "hit_rate": hits / (hits + misses) if variant.method != "pp" and hits + misses else None,
+            "hits": hits, "misses": misses,
+            "throughput_tok_s": tokens / wall if wall else 0.0, "steps": steps, "tokens": tokens, "wall_s": wall,
+            "draft_share": sum(r.get("draft_ms", 0.0) for r in runs) / (wall * 1e3) if wall else 0.0,
+            "rows_per_step": rows, "stage_compute_ms": compute, "emulated_stage_ms": emulated,
+            "overhead_share": _mean([r["overhead_share"] for r in runs if "overhead_share" in r]),
+            "overhead_ms_per_trip": _mean([r["overhead_ms_mean"] for r in runs if "overhead_ms_mean" in r]),
+            "result_bytes_per_step": sum(r.get("result_bytes", 0.0) for r in runs) / batches,
+            "compute_overrun_stages": flagged, "compute_ms_per_step": per_step, "machine_bound": machine_bound,
+            "machine_cores": cores}
+
+
+async def generate_one(coordinator: Coordinator, v: Variant, prompt: dict, max_new: int, temperature: float = 0.0,
+                       seed: int = 0) -> dict:
+    """One request, as the bench sends it (the variant's method and settings, no end at EOS): its final stats."""
+    inp = GenerateInput(prompt=prompt.get("prompt", ""), prompt_token_ids=list(prompt.get("prompt_token_ids", [])),
+                        raw=bool(prompt.get("raw", False)), max_new_tokens=max_new, temperature=temperature,
+                        seed=seed, method=v.method, ignore_eos=True, spec_overrides=v.overrides())
+    last = None
+    async for chunk in coordinator.generate(inp):
+        last = chunk
+    return dict(last.stats)
+
+
+def _mean(xs: list[float]) -> float | None:
+    return statistics.fmean(xs) if xs else None
+
+
+def machine_cores() -> int:
+    return os.cpu_count() or 0
