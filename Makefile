@@ -34,17 +34,20 @@ $(STAMP): pyproject.toml
 run: install
 	$(BIN)/specpipe run "$(PROMPT)" --stages $(STAGES) --max-new-tokens 48
 
+# Every tier (what CI runs).
 test: install
 	$(BIN)/python -m pytest -q -ra
 
-# The edit loop: everything but the tests marked slow (the real default model, the minute-long load test).
+# The edit loop (a few minutes on 2 cores): unit and in-process tests and the gRPC smoke tests; not the tests
+# marked slow (the real default model, minute-long runs, the wide cases of the test matrices) nor those marked
+# grpc (real servers and stage processes) unless marked smoke (tests/helpers/tiers.py).
 test-fast: install
-	$(BIN)/python -m pytest -q -ra -m "not slow"
+	$(BIN)/python -m pytest -q -ra -m "not slow and (not grpc or smoke)"
 
 # On a CUDA machine: shard equivalence in bf16 against transformers, every method over 1, 2, 4 stage processes,
 # a short bench with real GPU stage time; one summary (out/gpu-check/gpu_check.json).
 gpu-check: install
-	$(BIN)/python tests/gpu_check.py
+	$(BIN)/python tests/e2e/gpu_check.py
 
 protos: install
 	$(BIN)/python protos/gen.py

@@ -1,36 +1,3 @@
-"""The ground truth every method is compared with: transformers' own greedy decoding."""
-from __future__ import annotations
-
-import torch
-
-
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-def prompts(n: int, seed: int = 0, low: int = 3, high: int = 256) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(low, high, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
-
-
-TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<assistant>{% endif %}")
-
-
-def byte_tokenizer():
-    """A byte-level tokenizer whose token id is the byte value (fits the tiny model's 256 ids), with a chat
-    template; built offline with `tokenizers`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    visible = [*range(33, 127), *range(161, 173), *range(174, 256)]        # GPT-2's byte -> character map
-    chars = {b: chr(b) for b in visible}
-    chars.update({b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in chars)})
-    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=TEMPLATE)
+"""Until the TLS tests (tests/test_tls*.py, tests/test_chart_tls*.py) move into the tree: `from reference import`
+keeps working. Everything else imports tests/helpers/reference.py as `helpers.reference`."""
+from helpers.reference import byte_tokenizer, hf_greedy, prompts  # noqa: F401

@@ -73,7 +73,7 @@ def test_the_runtime_install_has_every_package_the_code_imports():
                     imported |= {a.name.split(".")[0] for a in node.names}
                 elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                     imported.add(node.module.split(".")[0])
-    third_party = imported - set(sys.stdlib_module_names) - {"coordinator", "services", "protos"}
+    third_party = imported - set(sys.stdlib_module_names) - {"coordinator", "services", "protos", "client"}
     unknown = third_party - DISTRIBUTIONS.keys()
     assert not unknown, f"map these imports to their distribution: {sorted(unknown)}"
     missing = sorted(DISTRIBUTIONS[n] for n in third_party if DISTRIBUTIONS[n] not in declared)

@@ -1,0 +1,250 @@
+"""Honest timing in the bench: the simulated clock's draft-time model (`--draft-time-ms`), the draft's call and
+row counters it reads, results.json's record of the model, and the machine-bound flag of real runs."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from coordinator.bench.run import BenchConfig, Variant, summarize, table
+from coordinator.core.drafts.base import DraftNode
+from coordinator.core.schedulers.base import Emit, Finish, Inject, Request
+from coordinator.engine.transports.simulated import SimulatedPipeline
+from services.config import describe_draft_time, parse_draft_time
+
+
+# -- the flag ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec, stage, want", [
+    ("", (120.0, 0.25), (36.0, 0.075)),          # default: 0.3 x the stage-time model
+    (None, (10.0, 0.0), (3.0, 0.0)),
+    ("5", (120.0, 0.0), (5.0, 0.0)),
+    (" 2.5 + 0.5 ", (120.0, 0.0), (2.5, 0.5)),
+    ("0", (120.0, 0.0), (0.0, 0.0)),
+    ("measured", (120.0, 0.0), ("measured", 1.0)),
+    ("Measured", (1.0, 0.0), ("measured", 1.0)),
+])
+def test_parse_draft_time(spec, stage, want):
+    assert parse_draft_time(spec, stage) == want
+
+
+@pytest.mark.parametrize("bad", ["abc", "-1", "1+", "+1", "1+2+3", "measured+1", "1e3", "5ms", "1,2"])
+def test_parse_draft_time_rejects(bad):
+    with pytest.raises(ValueError, match="draft time .* A or A\\+B .*measured"):
+        parse_draft_time(bad, (120.0, 0.0))
+
+
+def test_describe_draft_time():
+    assert describe_draft_time("", (36.0, 0.075)) == \
+        "modelled 36 ms per draft call + 0.075 ms per row (0.3 x stage time)"
+    assert describe_draft_time("5+1", (5.0, 1.0)) == "modelled 5 ms per draft call + 1 ms per row (--draft-time-ms 5+1)"
+    assert describe_draft_time("measured", ("measured", 1.0)) == "measured CPU"
+
+
+def test_bench_config_validates_the_draft_time():
+    with pytest.raises(ValueError, match="draft time 'fast'"):
+        BenchConfig(stages=[2], methods=["pp"], widths=[4], policies=["hybrid"], draft_time_ms="fast")
+    assert BenchConfig(stages=[2], methods=["pp"], widths=[4], policies=["hybrid"],
+                       draft_time_ms="3+1").draft_time_ms == "3+1"
+
+
+async def test_cli_draft_time_needs_simulate():
+    """Refused before any model is resolved (cmd_bench directly: cli.main would point the logs at capsys)."""
+    from coordinator.cli.main import build_parser, cmd_bench
+    with pytest.raises(ValueError, match="--draft-time-ms .*add --simulate"):
+        await cmd_bench(build_parser().parse_args(["bench", "--draft-time-ms", "5"]))
+    with pytest.raises(ValueError, match="draft time '5\\+x' is not of the form"):
+        await cmd_bench(build_parser().parse_args(["bench", "--simulate", "--draft-time-ms", "5+x"]))
+    args = build_parser().parse_args(["bench", "--simulate", "--draft-time-ms", "measured"])
+    assert args.draft_time_ms == "measured" and build_parser().parse_args(["bench"]).draft_time_ms is None
+
+
+# -- the simulated clock charges the model exactly ---------------------------------------------------------------
+class FakeDraft:
+    """Counters advanced by hand; `calls`/`rows` are all the pipeline may read (plus compute_s when measured)."""
+
+    def __init__(self) -> None:
+        self.compute_s, self.calls, self.rows = 0.0, 0, 0
+
+
+class OneWorkScheduler:
+    """Duck-typed scheduler: on add, one round of deferred work makes `calls` draft calls over `rows` rows (and
+    takes `cpu_s` of measured time), then emits one token and finishes. No micro-batch ever leaves."""
+
+    def __init__(self, draft: FakeDraft, calls: int, rows: int, cpu_s: float) -> None:
+        self.draft, self.calls, self.rows, self.cpu_s = draft, calls, rows, cpu_s
+        self.actions, self.pending = [], []
+
+    def add(self, r: Request) -> None:
+        self.pending.append(r.request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.pending)
+
+    def work(self) -> None:
+        rid = self.pending.pop(0)
+        self.draft.calls += self.calls
+        self.draft.rows += self.rows
+        self.draft.compute_s += self.cpu_s
+        self.actions += [Emit(rid, [7]), Finish(rid, "length", {"steps": 1})]
+
+    def poll(self) -> list:
+        out, self.actions = self.actions, []
+        return out
+
+
+@pytest.mark.parametrize("draft_time, want_ms", [
+    ((4.0, 0.5), 3 * 4.0 + 10 * 0.5),           # modelled: A per call + B per row, per request
+    ((0.0, 0.0), 0.0),
+    (("measured", 2.0), 0.25 * 1e3 * 2.0),      # measured CPU time x scale, counters ignored
+])
+def test_simulated_pipeline_charges_the_draft_time_model(draft_time, want_ms):
+    draft = FakeDraft()
+    sched = OneWorkScheduler(draft, calls=3, rows=10, cpu_s=0.25)
+    pipe = SimulatedPipeline([object()], (100.0, 0.0), num_stages=2, hop_ms=0.3, draft_time=draft_time)
+    out = pipe.run(sched, [Request("a", [1], 1), Request("b", [1], 1)], draft=draft)
+    # the coordinator runs one request's draft work after the other: b's token waits for a's draft work too
+    assert out["a"].token_times == [pytest.approx(want_ms)]
+    assert out["b"].token_times == [pytest.approx(2 * want_ms)]
+    assert pipe.draft_ms == pytest.approx(2 * want_ms)
+
+
+class EchoRunner:
+    """A stage that takes time only: the micro-batch comes back as it went in, one row computed."""
+
+    def step(self, batch):
+        return SimpleNamespace(batch=batch, trace=[SimpleNamespace(rows_computed=1)])
+
+
+class ResultDuringDraft:
+    """On add: one micro-batch leaves, and two rounds of deferred draft work are due (one draft call each).
+    The micro-batch's result emits the token and finishes the request."""
+
+    def __init__(self, draft: FakeDraft) -> None:
+        self.draft, self.rounds, self.actions = draft, 0, []
+        self.worked_at_result = -1
+
+    def add(self, r: Request) -> None:
+        self.rid, self.rounds = r.request_id, 2
+        self.actions.append(Inject(SimpleNamespace(rows=1)))
+
+    @property
+    def has_work(self) -> bool:
+        return self.rounds > 0
+
+    def work(self) -> None:
+        self.rounds -= 1
+        self.draft.calls += 1
+
+    def on_result(self, result) -> None:
+        self.worked_at_result = 2 - self.rounds
+        self.actions += [Emit(self.rid, [7]), Finish(self.rid, "length", {"steps": 1})]
+
+    def poll(self) -> list:
+        out, self.actions = self.actions, []
+        return out
+
+
+def test_a_result_is_handled_between_draft_rounds():
+    """Draft rounds of 100 ms; the micro-batch is back at 10 ms, during round 1 (0-100 ms). It is handled
+    when round 1 ends, before round 2 — as the engine's scheduler lock admits a waiting result between
+    rounds — so the token leaves at 100 ms, not after both rounds at 200 ms."""
+    draft = FakeDraft()
+    sched = ResultDuringDraft(draft)
+    pipe = SimulatedPipeline([EchoRunner()], (10.0, 0.0), num_stages=1, hop_ms=0.0, draft_time=(100.0, 0.0))
+    out = pipe.run(sched, [Request("a", [1], 1)], draft=draft)
+    assert out["a"].token_times == [pytest.approx(100.0)]
+    assert sched.worked_at_result == 1
+
+
+def test_simulated_pipeline_rejects_a_bad_model():
+    with pytest.raises(ValueError, match="draft time model"):
+        SimulatedPipeline([object()], (1.0, 0.0), draft_time=(-1.0, 0.0))
+    with pytest.raises(ValueError, match="scale"):
+        SimulatedPipeline([object()], (1.0, 0.0), draft_time=("measured", -1.0))
+
+
+# -- the counters ------------------------------------------------------------------------------------------------
+def test_model_draft_counts_calls_and_rows(tiny_model):
+    from coordinator.core.drafts.model import ModelDraft
+    from coordinator.core.drafts.ngram import NgramDraft
+    from services.model.shard import load_causal_lm
+
+    d = ModelDraft(load_causal_lm(str(tiny_model), torch.float32, "cpu"))
+    assert (d.calls, d.rows) == (0, 0)
+    d.begin("r", [5, 6, 7])                                  # prefill of nodes 0, 1: one call, 2 rows
+    assert (d.calls, d.rows) == (1, 2)
+    d.begin("s", [9])                                        # nothing to prefill: no call
+    assert (d.calls, d.rows) == (1, 2)
+    d.expand_many([("r", [DraftNode(2, 1, 2, 7)]), ("s", [DraftNode(0, -1, 0, 9)])], k=2)   # one call, 2 rows
+    assert (d.calls, d.rows) == (2, 4)
+    d.expand_many([("r", [])], k=2)                          # no nodes: no call
+    assert (d.calls, d.rows) == (2, 4)
+
+    n = NgramDraft()                                         # no model: free on the simulated clock
+    n.begin("r", [5, 6, 5, 6])
+    n.expand("r", [DraftNode(3, 2, 3, 6)], k=2)
+    assert (n.calls, n.rows) == (0, 0)
+
+
+# -- end to end: results.json and the charged time ---------------------------------------------------------------
+def _sim(tiny_model8, tmp_path, draft_time_ms: str, name: str) -> dict:
+    from coordinator.bench.run import write_results
+    from coordinator.bench.sim import run_simulated
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_token_ids": [5, 6, 7]}))
+    cfg = BenchConfig(stages=[2], methods=["pp", "sps"], widths=[4], policies=["hybrid"], stage_time_ms="10",
+                      max_new_tokens=6, prompts=str(prompts), num_prompts=0, out=str(tmp_path / name),
+                      model=str(tiny_model8), draft="quant", draft_time_ms=draft_time_ms)
+    write_results(run_simulated(cfg, hop_ms=0.3, log=lambda m: None), cfg.out)
+    return json.loads((tmp_path / name / "results.json").read_text())
+
+
+def test_simulated_bench_records_and_charges_the_model(tiny_model8, tmp_path):
+    free, costly, default = (_sim(tiny_model8, tmp_path, spec, name)
+                             for spec, name in (("0", "free"), ("7+0.5", "costly"), ("", "default")))
+    assert costly["config"]["draft_time_model"] == \
+        "modelled 7 ms per draft call + 0.5 ms per row (--draft-time-ms 7+0.5)"
+    assert costly["config"]["draft_time_ms"] == {"per_call_ms": 7.0, "per_row_ms": 0.5}
+    assert default["config"]["draft_time_model"] == "modelled 3 ms per draft call + 0 ms per row (0.3 x stage time)"
+    rows = {name: {r["label"]: r for r in res["rows"]} for name, res in
+            (("free", free), ("costly", costly), ("default", default))}
+    for by in rows.values():
+        assert by["pp"]["draft_share"] == 0.0 and by["pp"]["draft_calls_per_step"] == 0.0
+        assert by["pp"]["machine_bound"] is False and by["sps"]["compute_ms_per_step"] is None
+    assert rows["free"]["pp"]["tbt_ms_mean"] == rows["costly"]["pp"]["tbt_ms_mean"]     # pp runs no draft
+    free_sps, sps = rows["free"]["sps"], rows["costly"]["sps"]
+    assert free_sps["tokens"] == sps["tokens"] == 6 and free_sps["draft_share"] == 0.0
+    calls, draft_rows = sps["draft_calls_per_step"] * sps["steps"], sps["draft_rows_per_step"] * sps["steps"]
+    assert calls >= 1 and draft_rows >= calls
+    # the draft time charged is exactly 7 ms per call + 0.5 ms per row, and sps waits for its draft each trip
+    assert sps["draft_share"] * sps["wall_s"] * 1e3 == pytest.approx(7.0 * calls + 0.5 * draft_rows)
+    assert sps["tbt_ms_mean"] > free_sps["tbt_ms_mean"]
+
+
+# -- real runs: machine-bound --------------------------------------------------------------------------------------
+def _stats(stage_ms: list[float], draft_ms: float = 0.0, batches: int = 10) -> dict:
+    s = {"tbt_ms": 100.0, "ttft_ms": 100.0, "tokens": 5, "steps": 10, "wall_ms": 1000.0, "batches": batches,
+         "draft_ms": draft_ms, "stage0_rows_computed": 10 * batches}   # 10 rows per batch
+    s.update({f"stage{i}_compute_ms": c for i, c in enumerate(stage_ms)})
+    return s
+
+
+def test_machine_bound_from_hand_made_stats():
+    # 2 stages: 1500 + 1000 ms over 10 batches = 250 ms/step, no draft; the emulated step is 120 ms
+    row = summarize(Variant("pp"), 2, [_stats([1500.0, 1000.0])], (120.0, 0.0), cores=2)
+    assert row["compute_ms_per_step"] == pytest.approx(250.0) and row["machine_bound"] is True
+    text = table({"config": {}, "rows": [row]})
+    assert "machine-bound: compute 250 ms/step > 2 cores x 120 ms" in text
+    assert summarize(Variant("pp"), 2, [_stats([1500.0, 1000.0])], (120.0, 0.0), cores=3)["machine_bound"] is False
+    # the draft's compute counts: 100 + 100 + 50 ms/step (draft 500 ms over 10 batches) > 2 x 120 ms
+    row = summarize(Variant("sps"), 2, [_stats([1000.0, 1000.0], draft_ms=500.0)], (120.0, 0.0), cores=2)
+    assert row["compute_ms_per_step"] == pytest.approx(250.0) and row["machine_bound"] is True
+    row = summarize(Variant("sps"), 2, [_stats([1000.0, 1000.0])], (120.0, 0.0), cores=2)
+    assert row["machine_bound"] is False and "machine-bound" not in table({"config": {}, "rows": [row]})
+    # the per-row term: 120 + 2 ms x 10 rows per batch = 140 ms emulated, 2 cores x 140 = 280 > 250
+    assert summarize(Variant("pp"), 2, [_stats([1500.0, 1000.0])], (120.0, 2.0), cores=2)["machine_bound"] is False
+    # no emulated stage time: nothing to compare against
+    assert summarize(Variant("pp"), 2, [_stats([1500.0, 1000.0])], (0.0, 0.0), cores=2)["machine_bound"] is None

@@ -1,0 +1,163 @@
+"""One minute of load that mixes malformed and valid requests over gRPC and HTTP against real stages
+(issue 15): every malformed request is refused as INVALID_ARGUMENT / 400 naming what is wrong, every valid
+output is exact, the pipeline never recovers, and memory stays flat."""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+from pathlib import Path
+
+import aiohttp
+import grpc
+import pytest
+from prometheus_client import REGISTRY
+
+from coordinator.config import CoordinatorConfig
+from coordinator.frontends.server import start, start_http
+from helpers.reference import hf_greedy, prompts
+from helpers.stage_servers import stage_servers
+from helpers.wait import wait_until
+from protos import generation_pb2, generation_pb2_grpc
+
+pytestmark = pytest.mark.grpc
+
+DURATION_S = float(os.environ.get("SPECPIPE_LOAD_FAULTS_S", "60"))
+WORKERS = 6
+
+# (fields of a GenerateRequest, a word the refusal must contain)
+BAD_GRPC = [
+    (dict(prompt_token_ids=[1, 2], max_new_tokens=0), "max_new_tokens"),
+    (dict(prompt_token_ids=[1, 2], max_new_tokens=2 ** 31 - 1), "max_new_tokens"),
+    (dict(prompt_token_ids=[1, 2], top_k=-5, temperature=0.5), "top_k"),
+    (dict(prompt_token_ids=[1, 256]), "token id 256"),
+    (dict(prompt_token_ids=[1, -3]), "token id -3"),
+    (dict(prompt_token_ids=[1] * 600), "context"),
+    (dict(prompt_token_ids=[1, 2], temperature=float("nan")), "temperature"),
+    (dict(prompt_token_ids=[1, 2], top_p=2.0, temperature=0.5), "top_p"),
+    (dict(prompt_token_ids=[1, 2], method="beam"), "method"),
+    (dict(prompt_token_ids=[1, 2], stop=["x"] * 17), "stop"),
+    (dict(), "empty prompt"),
+    (dict(prompt="hi", prompt_token_ids=[1]), "not both"),
+]
+BAD_HTTP = [
+    (b'{"prompt": [1, 2], "max_tokens": ', "JSON"),
+    ({"prompt": [1, 2], "max_tokens": 4, "top_k": 2 ** 32, "temperature": 0.5}, "top_k"),
+    ({"prompt": [1, 2], "max_tokens": 4, "seed": -1, "temperature": 0.5}, "seed"),
+    ({"prompt": [1, 2], "max_tokens": "four"}, "max_tokens"),
+    ({"prompt": [1, 2], "max_tokens": 4, "temperature": 1e39}, "temperature"),
+    ({"prompt": [1, 10 ** 10], "max_tokens": 4}, "token id"),
+    ({"prompt": {"a": 1}, "max_tokens": 4}, "prompt"),
+    ({"prompt": [1, 2], "max_tokens": 4, "stop": [["x"]]}, "stop"),
+]
+
+
+def failures() -> float:
+    return sum(REGISTRY.get_sample_value("specpipe_stage_failures_total", {"outcome": o}) or 0.0
+               for o in ("recovered", "gave_up", "failed"))
+
+
+def rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    pytest.fail("no VmRSS in /proc/self/status")
+
+
+@pytest.mark.slow
+async def test_a_minute_of_mixed_malformed_and_valid_requests(tiny_model, tiny_hf):
+    ps = prompts(6, seed=5)
+    want = {tuple(p): hf_greedy(tiny_hf, p, 8) for p in ps}
+    async with stage_servers(str(tiny_model), 2) as (addrs, servicers):
+        cfg = CoordinatorConfig(stages=tuple(addrs), model=str(tiny_model), port=0, recovery_timeout_s=30,
+                                probe_interval_s=0.5, max_new_tokens_cap=64, default_max_new_tokens=8)
+        server, coord = await start(cfg)
+        http = await start_http(cfg, coord, port=0)
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        raw = channel.unary_stream("/specpipe.v1.Generation/Generate", request_serializer=lambda b: b,
+                                   response_deserializer=generation_pb2.GenerateResponse.FromString)
+        url = f"http://127.0.0.1:{http.port}/v1/completions"
+        before = failures()
+        counts = {"valid": 0, "refused": 0}
+        loop = asyncio.get_running_loop()
+        end = loop.time() + DURATION_S
+        rss: list[int] = []
+
+        async def valid_grpc(rng: random.Random) -> None:
+            p = rng.choice(ps)
+            msgs = [m async for m in stub.Generate(generation_pb2.GenerateRequest(
+                prompt_token_ids=p, max_new_tokens=8, ignore_eos=True,
+                method=rng.choice(["pp", "specpipe", "cb-pp"])), timeout=60)]
+            assert [t for m in msgs for t in m.token_ids] == want[tuple(p)]
+
+        async def valid_http(session: aiohttp.ClientSession, rng: random.Random) -> None:
+            p = rng.choice(ps)
+            body = {"model": tiny_model.name, "prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True, "method": rng.choice(["pp", "specpipe"])}
+            async with session.post(url, json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                assert (await resp.json())["choices"][0]["token_ids"] == want[tuple(p)]
+
+        async def bad_grpc(rng: random.Random) -> None:
+            if rng.random() < 0.15:
+                call, word = raw(os.urandom(rng.randint(1, 64)) + b"\xff\xff", timeout=10), ""
+            else:
+                fields, word = rng.choice(BAD_GRPC)
+                call = stub.Generate(generation_pb2.GenerateRequest(**fields), timeout=10)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in call:
+                    pass
+            code = err.value.code()
+            assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL) if not word else \
+                code == grpc.StatusCode.INVALID_ARGUMENT, (code, err.value.details())
+            assert word in (err.value.details() or ""), (word, err.value.details())
+
+        async def bad_http(session: aiohttp.ClientSession, rng: random.Random) -> None:
+            body, word = rng.choice(BAD_HTTP)
+            if isinstance(body, dict):
+                body = dict(body, model=tiny_model.name)
+                kw = {"json": body}
+            else:
+                kw = {"data": body, "headers": {"content-type": "application/json"}}
+            async with session.post(url, **kw) as resp:
+                text = await resp.text()
+                assert resp.status == 400, (resp.status, text)
+                assert word.lower() in text.lower(), (word, text)
+
+        async def worker(i: int) -> None:
+            rng = random.Random(i)
+            async with aiohttp.ClientSession() as session:
+                while loop.time() < end:
+                    kind = rng.choice(["valid_grpc", "valid_http", "bad_grpc", "bad_http", "bad_grpc", "bad_http"])
+                    if kind == "valid_grpc":
+                        await valid_grpc(rng)
+                    elif kind == "valid_http":
+                        await valid_http(session, rng)
+                    elif kind == "bad_grpc":
+                        await bad_grpc(rng)
+                    else:
+                        await bad_http(session, rng)
+                    counts["valid" if kind.startswith("valid") else "refused"] += 1
+
+        async def sample_memory() -> None:
+            while loop.time() < end:
+                rss.append(rss_bytes())
+                await asyncio.sleep(DURATION_S / 30)        # 30 samples over the run (a period, not a wait)
+
+        try:
+            await asyncio.gather(*(worker(i) for i in range(WORKERS)), sample_memory())
+            assert counts["valid"] >= 20 and counts["refused"] >= 40, counts
+            assert failures() == before                     # not one pipeline recovery
+            assert coord.recovery is not None and not coord.recovery.running
+            assert coord.engine.active == 0 and not coord.engine.admission.active
+            # memory flat: after the first third (warm-up: caches, compiled paths) it grows by < 64 MiB
+            settled = rss[len(rss) // 3]
+            assert max(rss[len(rss) // 3:]) - settled < 64 * 1024 * 1024, [r // 2 ** 20 for r in rss]
+            await wait_until(lambda: not any(s.runner.cache.requests for s in servicers), timeout=4,
+                             what="nothing left on the stages")
+        finally:
+            await channel.close()
+            await http.stop()
+            await server.stop(0)
+            await coord.close()

@@ -1,0 +1,244 @@
+"""Limits of the public APIs, against real servers on 127.0.0.1: the gRPC message cap, the bearer-token check
+before a request is read, the concurrent-RPC cap, the HTTP body cap and read timeouts, the per-client limit."""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import aiohttp
+import grpc
+import pytest
+
+from coordinator.config import CoordinatorConfig
+from coordinator.frontends.grpc_api import client_identity, peer_host, token_identity
+from coordinator.frontends.openai.api import OpenAIServer
+from coordinator.frontends.server import ApiServer, api_server_options, start, start_http
+from coordinator.frontends.service import Coordinator
+from helpers.reference import hf_greedy
+from helpers.stage_servers import stage_servers
+from helpers.wait import wait_until
+from protos import generation_pb2, generation_pb2_grpc
+
+MiB = 1024 * 1024
+GENERATE = "/specpipe.v1.Generation/Generate"
+Code = grpc.StatusCode
+
+
+@dataclass
+class Served:
+    coord: Coordinator
+    server: ApiServer
+    http: OpenAIServer
+
+    @property
+    def grpc_addr(self) -> str:
+        return f"127.0.0.1:{self.server.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http.port}/v1"
+
+
+@asynccontextmanager
+async def serving(model, stage_time_ms: str = "0", method: str = "pp", **config) -> AsyncIterator[Served]:
+    """Two in-process stages, the coordinator's gRPC API and its HTTP API, on free ports (plain pipeline
+    parallelism: these tests are about the API, not speculation)."""
+    async with stage_servers(str(model), 2, stage_time_ms=stage_time_ms) as (addrs, _):
+        cfg = CoordinatorConfig(stages=tuple(addrs), model=str(model), port=0, max_new_tokens_cap=400,
+                                default_max_new_tokens=8, method=method, **config)
+        server, coord = await start(cfg)
+        http = await start_http(cfg, coord, port=0)
+        try:
+            yield Served(coord, server, http)
+        finally:
+            await http.stop()
+            await server.stop(0)
+            await coord.close()
+
+
+async def grpc_code(call) -> grpc.StatusCode:
+    try:
+        async for _ in call:
+            pass
+    except grpc.aio.AioRpcError as e:
+        return e.code()
+    return Code.OK
+
+
+def request(prompt: list[int], n: int, **kw) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=n, ignore_eos=True, **kw)
+
+
+def test_identities_and_options():
+    assert peer_host("ipv4:127.0.0.1:5000") == "127.0.0.1" and peer_host("ipv6:%5B::1%5D:5000") == "::1"
+    assert client_identity("", "10.1.2.3") == "10.1.2.3"
+    assert client_identity("s3cret", "10.1.2.3") == token_identity("s3cret") != token_identity("other")
+    assert "s3cret" not in token_identity("s3cret")
+    opts = dict(api_server_options(4 * MiB))
+    assert opts["grpc.max_receive_message_length"] == 4 * MiB
+    assert opts["grpc.http2.max_ping_strikes"] > 0, "unlimited ping strikes let a client ping-flood"
+
+
+@pytest.mark.grpc
+async def test_a_message_over_the_api_limit_is_resource_exhausted(tiny_model, tiny_hf):
+    async with serving(tiny_model, api_max_message_mb=1) as s:
+        async with grpc.aio.insecure_channel(s.grpc_addr) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            big = request([200] * 600_000, 2)           # 2 bytes a token: 1.2 MB
+            assert big.ByteSize() > MiB
+            assert await grpc_code(stub.Generate(big, timeout=30)) == Code.RESOURCE_EXHAUSTED
+            below = request([200] * 400_000, 2)         # 0.8 MB: received and parsed, then refused by content
+            assert below.ByteSize() < MiB
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [m async for m in stub.Generate(below, timeout=30)]
+            assert err.value.code() == Code.INVALID_ARGUMENT and "context" in err.value.details()
+            msgs = [m async for m in stub.Generate(request([10, 20, 30], 4), timeout=30)]
+            assert [t for m in msgs for t in m.token_ids] == hf_greedy(tiny_hf, [10, 20, 30], 4)
+        # the stage hops keep their own (larger) limit
+        assert s.coord.config.max_message_mb > s.coord.config.api_max_message_mb
+
+
+@pytest.mark.grpc
+async def test_an_unauthenticated_call_is_refused_before_its_body_is_read(tiny_model, tiny_hf, monkeypatch):
+    """Garbage that cannot parse, and a body over the message limit, both get UNAUTHENTICATED without the
+    token, and the request deserializer never runs; with the token the same bytes get INVALID_ARGUMENT
+    (parsed, failed) and RESOURCE_EXHAUSTED (over the limit)."""
+    parsed: list[int] = []
+    real = generation_pb2.GenerateRequest.FromString
+
+    def counting(raw: bytes) -> generation_pb2.GenerateRequest:
+        parsed.append(len(raw))
+        return real(raw)
+    # where add_GenerationServicer_to_server (and the stub) take the request's (de)serializer from
+    monkeypatch.setattr(generation_pb2_grpc, "protos_dot_generation__pb2", SimpleNamespace(
+        GenerateRequest=SimpleNamespace(FromString=counting,
+                                        SerializeToString=generation_pb2.GenerateRequest.SerializeToString),
+        GenerateResponse=generation_pb2.GenerateResponse))
+    async with serving(tiny_model, api_max_message_mb=1, api_token="s3cret") as s:
+        async with grpc.aio.insecure_channel(s.grpc_addr) as ch:
+            raw = ch.unary_stream(GENERATE)             # bytes in, bytes out: no client-side serialization
+            garbage, big = b"\xff" * 64, b"\xff" * (3 * MiB)
+            with pytest.raises(Exception):
+                real(garbage)
+            good = (("authorization", "Bearer s3cret"),)
+            for body in (garbage, big):
+                for metadata in (None, (("authorization", "Bearer wrong"),), (("authorization", "s3cret"),)):
+                    assert await grpc_code(raw(body, metadata=metadata, timeout=30)) == Code.UNAUTHENTICATED
+            assert parsed == [], "an unauthenticated request body was parsed"
+            assert await grpc_code(raw(garbage, metadata=good, timeout=30)) == Code.INVALID_ARGUMENT
+            assert parsed == [64]
+            assert await grpc_code(raw(big, metadata=good, timeout=30)) == Code.RESOURCE_EXHAUSTED
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            msgs = [m async for m in stub.Generate(request([7, 8], 3), metadata=good, timeout=30)]
+            assert [t for m in msgs for t in m.token_ids] == hf_greedy(tiny_hf, [7, 8], 3)
+
+
+@pytest.mark.grpc
+async def test_rpcs_beyond_the_concurrency_cap_are_resource_exhausted(tiny_model):
+    async with serving(tiny_model, stage_time_ms="100", api_max_concurrent_rpcs=2) as s:
+        async with grpc.aio.insecure_channel(s.grpc_addr) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            running = [stub.Generate(request([5, 6, 7], 300), timeout=120) for _ in range(2)]
+            for call in running:
+                await call.read()                       # both are being served
+            assert await grpc_code(stub.Generate(request([1], 2), timeout=30)) == Code.RESOURCE_EXHAUSTED
+            for call in running:
+                call.cancel()
+            await wait_until(lambda: not s.coord.engine.admission.active, what="the cancelled requests end")
+            assert await grpc_code(stub.Generate(request([1], 2), timeout=30)) == Code.OK
+
+
+@pytest.mark.grpc
+async def test_an_http_body_over_the_cap_is_413(tiny_model):
+    async with serving(tiny_model, api_max_message_mb=1) as s, aiohttp.ClientSession() as h:
+        url = s.url + "/completions"
+        big = json.dumps({"model": "x", "prompt": [5] * 400_000}).encode()       # 1.2 MB
+        assert len(big) > MiB
+        async with h.post(url, data=big, headers={"Content-Type": "application/json"}) as r:
+            assert r.status == 413 and (await r.json())["error"]["code"] == "request_too_large"
+
+        async def chunked() -> AsyncIterator[bytes]:     # no Content-Length: the cap holds while reading
+            for i in range(0, len(big), 64 * 1024):
+                yield big[i:i + 64 * 1024]
+        async with h.post(url, data=chunked(), headers={"Content-Type": "application/json"}) as r:
+            assert r.status == 413
+        async with h.post(url, json={"prompt": [5, 6], "max_tokens": 2, "temperature": 0, "ignore_eos": True}) as r:
+            assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.grpc
+async def test_slow_http_headers_and_bodies_time_out(tiny_model):
+    async with serving(tiny_model, http_timeout_s=0.5) as s:
+        reader, writer = await asyncio.open_connection("127.0.0.1", s.http.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\": ")          # the rest of the body never comes
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), timeout=30)          # then the server closes
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert b"request_timeout" in answer
+        writer.close()
+
+        reader, writer = await asyncio.open_connection("127.0.0.1", s.http.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")         # the headers never end
+        await writer.drain()
+        async with aiohttp.ClientSession() as h:                            # others are served meanwhile
+            body = {"prompt": [5, 6], "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+            async with h.post(s.url + "/completions", json=body) as r:
+                assert r.status == 200
+        assert await asyncio.wait_for(reader.read(), timeout=30) == b"", "a slow request head is cut off"
+        writer.close()
+
+
+@pytest.mark.grpc
+async def test_the_per_client_limit_refuses_the_third_request_of_a_client_but_serves_another(tiny_model, tiny_hf):
+    """Limit 2, no token: the client is its address. Two gRPC streams from 127.0.0.1 run; a third request
+    from that address is refused on both APIs (RESOURCE_EXHAUSTED, 429), one from 127.0.0.2 is served."""
+    async with serving(tiny_model, stage_time_ms="100", max_per_client=2) as s:
+        async with grpc.aio.insecure_channel(s.grpc_addr) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            running = [stub.Generate(request([5, 6, 7], 300), timeout=120) for _ in range(2)]
+            for call in running:
+                await call.read()
+            assert sorted(s.coord.engine.admission.client_of.values()) == ["127.0.0.1", "127.0.0.1"]
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [m async for m in stub.Generate(request([1], 2), timeout=30)]
+            assert err.value.code() == Code.RESOURCE_EXHAUSTED and "limit 2" in err.value.details()
+            body = {"prompt": [9, 10], "max_tokens": 3, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+            async with aiohttp.ClientSession() as h:
+                async with h.post(s.url + "/completions", json=body) as r:
+                    assert r.status == 429, "the same address over HTTP is the same client"
+            other = aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))
+            async with aiohttp.ClientSession(connector=other) as h:
+                async with h.post(s.url + "/completions", json=body) as r:
+                    assert r.status == 200
+                    assert (await r.json())["choices"][0]["token_ids"] == hf_greedy(tiny_hf, [9, 10], 3)
+            for call in running:
+                call.cancel()
+            await wait_until(lambda: not s.coord.engine.admission.client_of, what="the cancelled requests end")
+            assert await grpc_code(stub.Generate(request([1], 2), timeout=30)) == Code.OK
+
+
+@pytest.mark.grpc
+async def test_with_a_token_the_token_is_the_client(tiny_model):
+    """Every caller with the token is one client, whatever its address."""
+    async with serving(tiny_model, stage_time_ms="100", max_per_client=2, api_token="s3cret") as s:
+        auth = {"Authorization": "Bearer s3cret"}
+        body = {"prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True, "stream": True, "return_token_ids": True}
+        async with aiohttp.ClientSession(headers=auth) as h, \
+                aiohttp.ClientSession(headers=auth, connector=aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))) as h2:
+            streams = [await h.post(s.url + "/completions", json=body) for _ in range(2)]
+            try:
+                for r in streams:
+                    assert r.status == 200
+                    assert (await r.content.readline()).startswith(b"data: ")     # running: a first token
+                assert list(s.coord.engine.admission.client_of.values()) == [token_identity("s3cret")] * 2
+                async with h2.post(s.url + "/completions", json={"prompt": [1], "max_tokens": 2, "temperature": 0,
+                                                                  "ignore_eos": True}) as r:
+                    assert r.status == 429 and (await r.json())["error"]["type"] == "rate_limit_error"
+            finally:
+                for r in streams:
+                    r.close()

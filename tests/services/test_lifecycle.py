@@ -1,0 +1,49 @@
+"""Process lifecycle: a stage drains on SIGTERM (health NOT_SERVING, then a clean exit)."""
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from coordinator.cli.local import LocalStages
+from helpers.wait import wait_until
+from protos import stage_pb2, stage_pb2_grpc
+
+pytestmark = pytest.mark.grpc
+
+
+async def test_stage_drains_and_exits_cleanly_on_sigterm(tiny_model, monkeypatch):
+    monkeypatch.setenv("SPECPIPE_GRACE_S", "2")
+    stages = LocalStages(1, model=str(tiny_model))
+    stages.start()
+    try:
+        await stages.wait_ready(timeout_s=120)
+        async with grpc.aio.insecure_channel(stages.addresses[0]) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            assert (await health.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.SERVING
+            control = stage_pb2_grpc.StageStub(ch).Control()     # an open stream the drain must wait for
+            await control.write(stage_pb2.ControlMessage(request_id="x", release=True))
+            stages.procs[0].send_signal(signal.SIGTERM)
+            started = time.monotonic()
+            status = None
+
+            async def drain_reported_or_gone() -> bool:
+                nonlocal status
+                try:
+                    status = (await health.Check(health_pb2.HealthCheckRequest(), timeout=1)).status
+                except grpc.aio.AioRpcError:
+                    return True                   # gone: the status seen last must have been NOT_SERVING
+                return status == health_pb2.HealthCheckResponse.NOT_SERVING
+            await wait_until(drain_reported_or_gone, timeout=2.5, interval=0.05, what="NOT_SERVING while draining")
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            code = await asyncio.to_thread(stages.procs[0].wait, 30)
+            assert code == 0
+            assert time.monotonic() - started < 15
+        log = stages.log_path(0).read_text()
+        assert "draining" in log and "stopped" in log
+    finally:
+        stages.stop()
