@@ -10,6 +10,8 @@ is full. Whenever a slot is free, `_dispatch` builds the next micro-batch from e
    `share = max(1, node_budget // requests)` rows, counting every request the scheduler holds (running,
    prefilling, or waiting for its rows to come back); the subclass may take fewer (`_next_rows`). A request
    held alone is not capped by the budget (`_solo_share`: specpipe's width may exceed it).
+   In a micro-batch that carries prompt rows each request takes at most `_share_beside_prompts` rows
+   (specpipe: 1, its best node), so the prompt's trip through the stages is not slowed by deep speculation.
 2. Prefill chunks then take up to `prefill_chunk` prompt rows, oldest request first — a budget of their own,
    beside the decode rows (a long prompt is not cut into node-budget slices; on a GPU a step of 32 rows
    and of 512 costs about the same). A prompt longer than that continues in the next micro-batch; the
@@ -61,6 +63,11 @@ class BatchingScheduler(Scheduler):
     def _share(self) -> int:
         n = len(self.requests)
         return self._solo_share() if n <= 1 else max(1, self.node_budget // n)
+
+    def _share_beside_prompts(self) -> int:
+        """Rows a running request may take in a micro-batch that carries prompt rows (the prompt's time to
+        first token is that micro-batch's trip through every stage)."""
+        return self.node_budget
 
     def _decode_cap(self) -> int:
         """At most this many rows of running requests per micro-batch."""
@@ -115,6 +122,8 @@ class BatchingScheduler(Scheduler):
         segments: list[Segment] = []
         left = share if solo else self.node_budget
         decode_left = share if solo else self._decode_cap()
+        if prefilling:                           # a prompt goes in: this micro-batch stays small
+            share = min(share, self._share_beside_prompts())
         for rid in running:
             if left <= 0 or decode_left <= 0:
                 break

@@ -77,6 +77,9 @@ class SpecPipeScheduler(BatchingScheduler):
         # at least one draft round since the last injection (the next growth needs its proposals)
         return self.pending.get(rid, 0) < self.rounds and not cold and state.in_flight < self.num_stages
 
+    def _share_beside_prompts(self) -> int:
+        return 1          # speculation gives way for the one step a prompt travels with it
+
     def _solo_share(self) -> int:
         return max(self.width, self.node_budget)
 

@@ -229,3 +229,30 @@ def test_mixed_greedy_and_seeded_requests_under_a_binding_budget_are_exact(tiny_
 
 def sched_prompt(reqs: list[Request], rid: str) -> list[int]:
     return next(r.prompt_ids for r in reqs if r.request_id == rid)
+
+
+def test_a_micro_batch_carrying_a_prompt_keeps_specpipe_rows_to_one_per_request(tiny_model8, tiny_hf8):
+    """Staggered arrivals, budget 12, width 4: every micro-batch that carries prompt rows holds at most one
+    row of each running request (a prompt's trip is not slowed by deep speculation), others may hold more;
+    outputs stay exact."""
+    S = 4
+    runners = make_runners(tiny_model8, S, layers=8)
+    draft = quant_draft(tiny_model8)
+    sched = SpecPipeScheduler(S, draft, width=4, node_budget=12)
+    rec = Recording(sched)
+    reqs, arrive = staggered(8, seed=9, new=[12, 16])
+    prompt_of = {r.request_id: r.prompt_ids for r in reqs}
+    out = InProcessPipeline(runners).run(sched, reqs, arrive=arrive)
+    for r in reqs:
+        assert out[r.request_id].tokens == hf_greedy(tiny_hf8, r.prompt_ids, r.max_new_tokens), r.request_id
+
+    def is_prompt(seg) -> bool:
+        return min(seg.positions) < len(prompt_of[seg.request_id]) - 1
+
+    with_prompt = [b for b in rec.batches if any(is_prompt(s) for s in b.segments)]
+    decode_rows = [[s.rows for s in b.segments if not is_prompt(s)] for b in with_prompt]
+    assert with_prompt and any(decode_rows), "prompts travelled beside running requests"
+    assert all(rows <= 1 for batch in decode_rows for rows in batch)
+    assert any(s.rows > 1 for b in rec.batches if b not in with_prompt for s in b.segments), \
+        "without a prompt a request takes more than one row"
+    assert_nothing_left(sched, runners, draft)
