@@ -52,3 +52,20 @@ def fuzz_env(tiny_model):
         yield e
     finally:
         e.close()
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """Certificates for the mutual-TLS tests: a CA, a stage's, the coordinator's, one with a name the stages
+    do not know, and one with the coordinator's name from another CA; PEM paths."""
+    from helpers.certs import make_ca, make_leaf, write
+    from services.tls import COORDINATOR_NAME, STAGE_NAME
+    from cryptography.hazmat.primitives import serialization
+    tmp = tmp_path_factory.mktemp("pki")
+    ca, other_ca = make_ca("specpipe-ca"), make_ca("intruder-ca")
+    (tmp / "ca.crt").write_bytes(ca[1].public_bytes(serialization.Encoding.PEM))
+    stage = write(tmp, "stage", *make_leaf(ca, STAGE_NAME))
+    coord = write(tmp, "coordinator", *make_leaf(ca, COORDINATOR_NAME))
+    other = write(tmp, "other", *make_leaf(ca, "someone-else"))       # right CA, no identity the stages know
+    intruder = write(tmp, "intruder", *make_leaf(other_ca, COORDINATOR_NAME))     # the right name, wrong CA
+    return {"ca": str(tmp / "ca.crt"), "stage": stage, "coordinator": coord, "other": other, "intruder": intruder}

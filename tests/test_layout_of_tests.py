@@ -8,8 +8,6 @@ from collections import Counter
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
-# still importing from test modules until they move into the tree (their owner moves them): file -> modules
-NOT_YET_MOVED = {"test_tls_identity.py": {"test_tls"}, "test_chart_tls.py": {"test_chart", "test_tls"}}
 
 
 def imported_modules_of(source: str) -> set[str]:
@@ -36,7 +34,6 @@ def test_no_test_module_imports_another_or_a_conftest():
     bad = {}
     for path in modules_of_tests():
         wrong = {m for m in imported_modules(path) if m.startswith("test_") or m == "conftest"}
-        wrong -= NOT_YET_MOVED.get(path.name, set()) if path.parent == TESTS else set()
         if wrong:
             bad[str(path.relative_to(TESTS))] = sorted(wrong)
     assert not bad, f"import these from tests/helpers/ (or make them fixtures in a conftest.py): {bad}"

@@ -1,5 +1,5 @@
 """The Helm chart rendered by the pinned helm binary that `make install` puts into .venv/bin (helm/get_helm.py),
-for the chart tests (tests/chart/, test_chart_tls.py, test_chart_tls_per_pod.py); value sets; label selectors.
+for the chart tests (tests/chart/); value sets; label selectors.
 
     objs = render("tls.enabled=true")                 # helm template rel helm/specpipe --namespace ml --set ...
     sts = one(objs, "StatefulSet")

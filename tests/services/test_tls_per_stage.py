@@ -1,7 +1,7 @@
 """A certificate per stage (`--tls-peer-template specpipe-stage-{index}`): stage i takes Forward only from
 stage i-1's certificate, stage 0 only from the coordinator's; Configure, Results and Control stay the
 coordinator's. The allowed predecessor follows the index Configure gives a stage, also on an open Forward
-stream. Real gRPC stage servers on 127.0.0.1 with certificates made here (tests/certs.py), and a whole
+stream. Real gRPC stage servers on 127.0.0.1 with certificates made here (tests/helpers/certs.py), and a whole
 generation over mutual TLS in which every hop presents its own certificate."""
 from __future__ import annotations
 
@@ -14,12 +14,14 @@ import grpc
 import pytest
 
 import services.tls
-from certs import make_ca, make_leaf, write, write_ca
+from helpers.certs import make_ca, make_leaf, write, write_ca
 from protos import stage_pb2, stage_pb2_grpc
-from reference import hf_greedy
+from helpers.reference import hf_greedy
 from services.config import StageConfig
 from services.tls import COORDINATOR_NAME, PeerNames, TLSFiles, open_channel
-from stage_servers import stage_servers
+from helpers.stage_servers import stage_servers
+
+pytestmark = pytest.mark.grpc
 
 TEMPLATE = "specpipe-stage-{index}"
 STAGES = 4

@@ -12,8 +12,9 @@ import pytest
 from protos import stage_pb2, stage_pb2_grpc
 from services.config import StageConfig
 from services.tls import COORDINATOR_NAME, STAGE_NAME, PeerNames, TLSFiles, open_channel
-from stage_servers import stage_servers
-from test_tls import pki  # noqa: F401  (the module-scoped certificates)
+from helpers.stage_servers import stage_servers
+
+pytestmark = pytest.mark.grpc
 
 ONLY_COORDINATOR = ("Configure", "Results", "Control")
 

@@ -10,28 +10,16 @@ from pathlib import Path
 import grpc
 import pytest
 
-from certs import make_ca, make_leaf, write
 from coordinator.config import CoordinatorConfig
-from coordinator.server import start
+from coordinator.frontends.server import start
 from protos import generation_pb2, generation_pb2_grpc, stage_pb2, stage_pb2_grpc
-from reference import hf_greedy
-from services.tls import COORDINATOR_NAME, STAGE_NAME, TLSFiles, open_channel
-from stage_servers import stage_servers
+from helpers.reference import hf_greedy
+from services.tls import TLSFiles, open_channel
+from helpers.stage_servers import stage_servers
+
+pytestmark = pytest.mark.grpc
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    from cryptography.hazmat.primitives import serialization
-    tmp = tmp_path_factory.mktemp("pki")
-    ca, other_ca = make_ca("specpipe-ca"), make_ca("intruder-ca")
-    (tmp / "ca.crt").write_bytes(ca[1].public_bytes(serialization.Encoding.PEM))
-    stage = write(tmp, "stage", *make_leaf(ca, STAGE_NAME))
-    coord = write(tmp, "coordinator", *make_leaf(ca, COORDINATOR_NAME))
-    other = write(tmp, "other", *make_leaf(ca, "someone-else"))       # right CA, no identity the stages know
-    intruder = write(tmp, "intruder", *make_leaf(other_ca, COORDINATOR_NAME))     # the right name, wrong CA
-    return {"ca": str(tmp / "ca.crt"), "stage": stage, "coordinator": coord, "other": other, "intruder": intruder}
 
 
 async def stage_info(address: str, tls: TLSFiles | None) -> stage_pb2.StageInfo:
@@ -49,7 +37,7 @@ async def test_mutual_tls_pipeline_serves_and_stages_refuse_other_peers(tiny_mod
                                                       tls_ca=pki["ca"]))
         try:
             out = []
-            from coordinator.service import GenerateInput
+            from coordinator.frontends.service import GenerateInput
             async for chunk in coord.generate(GenerateInput(prompt_token_ids=[3, 4, 5], max_new_tokens=8,
                                                             ignore_eos=True)):
                 out += chunk.token_ids

@@ -14,9 +14,9 @@ from services.config import MiB
 from services.grpc_server import Server
 from services.server import SERVICE_NAME
 from services.tls import TLSFiles
-from stage_servers import stage_servers
-from test_chart import by_kind, helm, one, render, CHART, K8S_VERSION
-from test_tls import make_ca, write
+from helpers.stage_servers import stage_servers
+from helpers.chart import CHART, K8S_VERSION, by_kind, helm, one, render
+from helpers.certs import make_ca, write
 
 TLS = ["tls.enabled=true", "tls.certManager.enabled=true", "tls.certManager.issuerRef.name=specpipe-ca",
        "coordinator.apiTlsSecret=api-cert", "coordinator.apiTokenSecret.name=api-token"]
