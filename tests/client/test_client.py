@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from certs import make_ca, make_leaf, write
+from helpers.certs import make_ca, make_leaf, write
 from client import AsyncClient, Client, SpecPipeError
 from coordinator.cli.local import free_port
 from coordinator.config import CoordinatorConfig

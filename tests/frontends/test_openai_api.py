@@ -138,7 +138,7 @@ async def test_wrong_or_missing_key_is_401_over_https(chat_model, tiny_hf, tmp_p
 
     from cryptography.hazmat.primitives import serialization
 
-    from certs import make_ca, make_leaf, write
+    from helpers.certs import make_ca, make_leaf, write
     ca = make_ca("test-ca")
     cert, key = write(tmp_path, "api", *make_leaf(ca, "api"))
     ca_file = tmp_path / "ca.crt"
