@@ -24,13 +24,13 @@ def module_name(path: Path) -> str:
 MODULES = {module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
 
 
-def imports_of(path: Path) -> set[str]:
-    """Every module `path` imports, anywhere in it (top level or inside a function), as dotted names;
-    `from a.b import c` counts as a.b.c when that is a module of ours, else as a.b."""
+def imports_in_source(source: str, module: str, is_package: bool, filename: str = "<source>") -> set[str]:
+    """Every module `source` (the text of module `module`, a package's `__init__` when `is_package`) imports,
+    anywhere in it (top level or inside a function), as dotted names; `from a.b import c` counts as a.b.c when
+    that is a module of ours, else as a.b."""
     found: set[str] = set()
-    me = module_name(path)
-    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(source, filename)):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -44,17 +44,20 @@ def imports_of(path: Path) -> set[str]:
     return found
 
 
+def imports_of(path: Path) -> set[str]:
+    """Every module the file at `path` imports (see `imports_in_source`)."""
+    return imports_in_source(path.read_text(), module_name(path), path.name == "__init__.py", str(path))
+
+
 GRAPH = {m: {i for i in imports_of(p) if i in MODULES and i != m} for m, p in MODULES.items()}
 
 
-def test_imports_of_reads_lazy_and_relative_imports(tmp_path: Path) -> None:
+def test_imports_in_source_reads_lazy_and_relative_imports() -> None:
     src = "import grpc\ndef f():\n    from coordinator.core import tree\n    from . import validate\n"
-    p = ROOT / "coordinator" / "core" / "_probe_not_a_module.py"
-    p.write_text(src)
-    try:
-        assert {"grpc", "coordinator.core.tree", "coordinator.core.validate"} <= imports_of(p)
-    finally:
-        p.unlink()
+    found = imports_in_source(src, "coordinator.core._probe_not_a_module", is_package=False)
+    assert {"grpc", "coordinator.core.tree", "coordinator.core.validate"} <= found
+    assert {"coordinator.core.tree", "coordinator.core.validate"} <= imports_in_source(
+        "from . import tree, validate\n", "coordinator.core", is_package=True)
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
