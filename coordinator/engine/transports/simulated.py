@@ -115,21 +115,23 @@ class SimulatedPipeline:
                     if waiting:
                         arrivals.append(t)
 
-        work_due = [False]          # a "work" event is queued
+        work_due = False            # a "work" event is queued
 
         def handle(t: float, fn, *args) -> float:
             """The coordinator handles one event at t and queues its deferred draft work as a "work" event,
             behind the events that arrived before it. Returns when the coordinator is free again."""
+            nonlocal work_due
             fn(*args)
             dispatch(t)
-            if scheduler.has_work and not work_due[0]:
-                work_due[0] = True
+            if scheduler.has_work and not work_due:
+                work_due = True
                 push(t, "work", None)
             return t
 
         def work(t: float) -> float:
             """One round of draft work from t; the next round queues behind what arrived meanwhile."""
-            work_due[0] = False
+            nonlocal work_due
+            work_due = False
             before = self._draft_counters(draft)
             scheduler.work()
             spent = self._draft_spent(before, self._draft_counters(draft))
@@ -137,7 +139,7 @@ class SimulatedPipeline:
             t += spent
             dispatch(t)
             if scheduler.has_work:
-                work_due[0] = True
+                work_due = True
                 push(t, "work", None)
             return t
 
