@@ -220,15 +220,12 @@ def test_mixed_greedy_and_seeded_requests_under_a_binding_budget_are_exact(tiny_
             assert o.reason == "cancelled" and o.tokens == want[:len(o.tokens)], r.request_id
         else:
             assert o.reason == "length" and o.tokens == want, r.request_id
-    decode = [sum(s.rows for s in b.segments if not any(p < len(sched_prompt(reqs, s.request_id)) for p in s.positions))
+    prompt_len = {r.request_id: len(r.prompt_ids) for r in reqs}
+    decode = [sum(s.rows for s in b.segments if not any(p < prompt_len[s.request_id] for p in s.positions))
               for b in rec.batches]
     assert max(decode) <= 6, "decode rows stay within the budget"
     assert max(len({s.request_id for s in b.segments}) for b in rec.batches) >= 3, "requests share batches"
     assert_nothing_left(sched, runners, draft)
-
-
-def sched_prompt(reqs: list[Request], rid: str) -> list[int]:
-    return next(r.prompt_ids for r in reqs if r.request_id == rid)
 
 
 def test_a_micro_batch_carrying_a_prompt_keeps_specpipe_rows_to_one_per_request(tiny_model8, tiny_hf8):
