@@ -8,13 +8,11 @@ import asyncio
 import grpc
 import pytest
 
-from coordinator.config import CoordinatorConfig
 from coordinator.core.schedulers.base import Request
 from coordinator.core.schedulers.pp import PPScheduler
 from coordinator.engine.transports.inprocess import InProcessPipeline
-from coordinator.frontends.server import start
 from helpers.reference import hf_greedy, prompts
-from helpers.stage_servers import stage_servers
+from helpers.stage_servers import served_coordinator
 from helpers.wait import wait_until, wait_until_empty
 from protos import generation_pb2, generation_pb2_grpc
 from services.model.shard import load_shard
@@ -22,9 +20,8 @@ from services.runner import StageRunner
 
 
 class Client:
-    def __init__(self, port: int) -> None:
-        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.stub = generation_pb2_grpc.GenerationStub(channel)
 
     async def generate(self, stop_after: int | None = None, **fields) -> list[int]:
         """Token ids streamed; with stop_after, the client hangs up after that many tokens."""
@@ -44,78 +41,61 @@ async def test_sixteen_concurrent_streams_are_exact_and_leave_nothing(tiny_model
     lengths = [5, 17, 9, 24, 12, 7, 20, 3]
     ps = prompts(16, seed=11)
     cancel_after = {3: 4, 8: 2, 13: 6}          # request index -> tokens before the client hangs up
-    async with stage_servers(str(tiny_model), 4) as (addrs, _):
-        server, coord = await start(CoordinatorConfig(stages=tuple(addrs), model=str(tiny_model), port=0,
-                                                      method=method, node_budget=16, max_new_tokens_cap=64, default_max_new_tokens=16))
-        client = Client(server.port)
-        try:
-            async def one(i: int) -> list[int]:
-                await asyncio.sleep(0.03 * i)       # staggered arrivals (the test, not a wait)
-                return await client.generate(prompt_token_ids=ps[i], max_new_tokens=lengths[i % 8],
-                                             stop_after=cancel_after.get(i))
-            outs = await asyncio.gather(*(one(i) for i in range(16)))
-            for i, ids in enumerate(outs):
-                want = hf_greedy(tiny_hf, ps[i], lengths[i % 8])
-                assert ids == (want[:len(ids)] if i in cancel_after else want), i
-                if i in cancel_after:
-                    assert len(ids) >= cancel_after[i]
-            await wait_until_empty(addrs, coord)
-            sched = coord.engine.scheduler(method)
-            assert not sched.requests and not sched.prefill_next and not sched._batches
-            if method == "specpipe":
-                assert not sched.trees and not sched.pending and not sched.begun
-                assert not coord.engine.spec.draft.runner.cache.requests, "the draft keeps KV"
-        finally:
-            await client.channel.close()
-            await server.stop(0)
-            await coord.close()
+    async with served_coordinator(str(tiny_model), 4, method=method, node_budget=16, max_new_tokens_cap=64,
+                                  default_max_new_tokens=16) as served:
+        coord, client = served.coord, Client(served.channel)
+
+        async def one(i: int) -> list[int]:
+            await asyncio.sleep(0.03 * i)       # staggered arrivals (the test, not a wait)
+            return await client.generate(prompt_token_ids=ps[i], max_new_tokens=lengths[i % 8],
+                                         stop_after=cancel_after.get(i))
+        outs = await asyncio.gather(*(one(i) for i in range(16)))
+        for i, ids in enumerate(outs):
+            want = hf_greedy(tiny_hf, ps[i], lengths[i % 8])
+            assert ids == (want[:len(ids)] if i in cancel_after else want), i
+            if i in cancel_after:
+                assert len(ids) >= cancel_after[i]
+        await wait_until_empty(served.stages, coord)
+        sched = coord.engine.scheduler(method)
+        assert not sched.requests and not sched.prefill_next and not sched._batches
+        if method == "specpipe":
+            assert not sched.trees and not sched.pending and not sched.begun
+            assert not coord.engine.spec.draft.runner.cache.requests, "the draft keeps KV"
 
 
 @pytest.mark.grpc
 async def test_a_full_queue_is_refused_with_resource_exhausted(tiny_model, tiny_hf):
-    async with stage_servers(str(tiny_model), 2, stage_time_ms="20") as (addrs, _):
-        server, coord = await start(CoordinatorConfig(stages=tuple(addrs), model=str(tiny_model), port=0,
-                                                      method="cb-pp", max_active=1, max_queue=1))
-        client = Client(server.port)
-        try:
-            first = asyncio.create_task(client.generate(prompt_token_ids=[4, 5, 6], max_new_tokens=40))
-            await wait_until(lambda: coord.engine.admission.active, what="the first request running")
-            second = asyncio.create_task(client.generate(prompt_token_ids=[7, 8], max_new_tokens=6))
-            await wait_until(lambda: coord.engine.admission.queue, what="the second request queued")
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await client.generate(prompt_token_ids=[9], max_new_tokens=4)
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "busy" in err.value.details() and "1 waiting" in err.value.details()
-            assert await first == hf_greedy(tiny_hf, [4, 5, 6], 40)
-            assert await second == hf_greedy(tiny_hf, [7, 8], 6), "the queued request runs when one ends"
-            assert await client.generate(prompt_token_ids=[9], max_new_tokens=4) == hf_greedy(tiny_hf, [9], 4)
-        finally:
-            await client.channel.close()
-            await server.stop(0)
-            await coord.close()
+    async with served_coordinator(str(tiny_model), 2, stage_time_ms="20", method="cb-pp", max_active=1,
+                                  max_queue=1) as served:
+        coord, client = served.coord, Client(served.channel)
+        first = asyncio.create_task(client.generate(prompt_token_ids=[4, 5, 6], max_new_tokens=40))
+        await wait_until(lambda: coord.engine.admission.active, what="the first request running")
+        second = asyncio.create_task(client.generate(prompt_token_ids=[7, 8], max_new_tokens=6))
+        await wait_until(lambda: coord.engine.admission.queue, what="the second request queued")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.generate(prompt_token_ids=[9], max_new_tokens=4)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "busy" in err.value.details() and "1 waiting" in err.value.details()
+        assert await first == hf_greedy(tiny_hf, [4, 5, 6], 40)
+        assert await second == hf_greedy(tiny_hf, [7, 8], 6), "the queued request runs when one ends"
+        assert await client.generate(prompt_token_ids=[9], max_new_tokens=4) == hf_greedy(tiny_hf, [9], 4)
 
 
 @pytest.mark.grpc
 async def test_kv_limit_of_the_stages_bounds_admission(tiny_model, tiny_hf):
     """Stages of 2 layers x 2 KV heads x 16 dims in fp32 hold 512 bytes per node; 0.125 MiB = 256 nodes.
     A request that could never fit is refused at once; ones that fit run (exactly)."""
-    async with stage_servers(str(tiny_model), 2, kv_limit_mb=0.125) as (addrs, _):
-        server, coord = await start(CoordinatorConfig(stages=tuple(addrs), model=str(tiny_model), port=0,
-                                                      method="specpipe", width=4, max_new_tokens_cap=64, default_max_new_tokens=16))
-        client = Client(server.port)
-        try:
-            assert coord.engine.admission.kv_slots == 256
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await client.generate(prompt_token_ids=[5] * 200, max_new_tokens=60)
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "KV slots" in err.value.details()
-            ps = prompts(3, seed=2)
-            outs = await asyncio.gather(*(client.generate(prompt_token_ids=p, max_new_tokens=30) for p in ps))
-            assert outs == [hf_greedy(tiny_hf, p, 30) for p in ps]
-        finally:
-            await client.channel.close()
-            await server.stop(0)
-            await coord.close()
+    async with served_coordinator(str(tiny_model), 2, kv_limit_mb=0.125, method="specpipe", width=4,
+                                  max_new_tokens_cap=64, default_max_new_tokens=16) as served:
+        coord, client = served.coord, Client(served.channel)
+        assert coord.engine.admission.kv_slots == 256
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.generate(prompt_token_ids=[5] * 200, max_new_tokens=60)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "KV slots" in err.value.details()
+        ps = prompts(3, seed=2)
+        outs = await asyncio.gather(*(client.generate(prompt_token_ids=p, max_new_tokens=30) for p in ps))
+        assert outs == [hf_greedy(tiny_hf, p, 30) for p in ps]
 
 
 def test_a_stage_refuses_growth_past_its_kv_limit_and_others_go_on(tiny_model, tiny_hf):
@@ -140,41 +120,34 @@ def rss_mb() -> float:
 async def test_a_hundred_cancelled_or_expired_streams_leave_nothing(tiny_model):
     """Clients that hang up (before or after the first token) or whose deadline passes: within a bounded
     time no stage holds request state or KV, the coordinator holds nothing, memory is back near baseline."""
-    async with stage_servers(str(tiny_model), 3, stage_time_ms="3") as (addrs, _):
-        server, coord = await start(CoordinatorConfig(stages=tuple(addrs), model=str(tiny_model), port=0,
-                                                      method="specpipe", max_new_tokens_cap=256,
-                                                      default_max_new_tokens=16))
-        client = Client(server.port)
-        try:
-            await client.generate(prompt_token_ids=[1, 2, 3], max_new_tokens=8)         # warm-up
-            await wait_until_empty(addrs, coord)
-            baseline = rss_mb()
+    async with served_coordinator(str(tiny_model), 3, stage_time_ms="3", method="specpipe", max_new_tokens_cap=256,
+                                  default_max_new_tokens=16) as served:
+        addrs, coord, client = served.stages, served.coord, Client(served.channel)
+        await client.generate(prompt_token_ids=[1, 2, 3], max_new_tokens=8)         # warm-up
+        await wait_until_empty(addrs, coord)
+        baseline = rss_mb()
 
-            async def doomed(i: int) -> None:
-                req = generation_pb2.GenerateRequest(prompt_token_ids=[5 + i % 50, 7, 9], max_new_tokens=200,
-                                                     ignore_eos=True, method=("specpipe", "pp", "cb-pp")[i % 3])
-                if i % 3 == 2:                                   # the deadline passes mid-stream
-                    with pytest.raises(grpc.aio.AioRpcError) as err:
-                        async for _ in client.stub.Generate(req, timeout=0.15):
-                            pass
-                    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-                    return
-                call = client.stub.Generate(req, timeout=60)
-                if i % 3 == 1:
-                    await asyncio.sleep(0.01 * (i % 5))  # hang up early, maybe before any token (the test)
-                else:
-                    await call.read()                            # hang up after the first token
-                call.cancel()
-            for start_at in range(0, 100, 20):                    # 5 waves of 20 at once
-                await asyncio.gather(*(doomed(i) for i in range(start_at, start_at + 20)))
-            await wait_until_empty(addrs, coord)
-            for method in ("specpipe", "pp", "cb-pp"):
-                sched = coord.engine.scheduler(method)
-                assert not sched.requests and not sched._batches
-            assert not coord.engine.spec.draft.runner.cache.requests
-            assert not coord.engine.admission.active and not coord.engine.admission.queue
-            assert rss_mb() < baseline + 150, "memory is back near its baseline"
-        finally:
-            await client.channel.close()
-            await server.stop(0)
-            await coord.close()
+        async def doomed(i: int) -> None:
+            req = generation_pb2.GenerateRequest(prompt_token_ids=[5 + i % 50, 7, 9], max_new_tokens=200,
+                                                 ignore_eos=True, method=("specpipe", "pp", "cb-pp")[i % 3])
+            if i % 3 == 2:                                   # the deadline passes mid-stream
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in client.stub.Generate(req, timeout=0.15):
+                        pass
+                assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                return
+            call = client.stub.Generate(req, timeout=60)
+            if i % 3 == 1:
+                await asyncio.sleep(0.01 * (i % 5))  # hang up early, maybe before any token (the test)
+            else:
+                await call.read()                            # hang up after the first token
+            call.cancel()
+        for start_at in range(0, 100, 20):                    # 5 waves of 20 at once
+            await asyncio.gather(*(doomed(i) for i in range(start_at, start_at + 20)))
+        await wait_until_empty(addrs, coord)
+        for method in ("specpipe", "pp", "cb-pp"):
+            sched = coord.engine.scheduler(method)
+            assert not sched.requests and not sched._batches
+        assert not coord.engine.spec.draft.runner.cache.requests
+        assert not coord.engine.admission.active and not coord.engine.admission.queue
+        assert rss_mb() < baseline + 150, "memory is back near its baseline"

@@ -12,9 +12,8 @@ import grpc
 import pytest
 
 from coordinator.config import CoordinatorConfig
-from coordinator.frontends.server import start
 from helpers.reference import hf_greedy
-from helpers.stage_servers import stage_servers
+from helpers.stage_servers import served_coordinator, stage_servers
 from helpers.wait import wait_until
 from protos import generation_pb2, generation_pb2_grpc
 
@@ -29,10 +28,9 @@ def grpcurl_bin() -> str:
 
 
 class Api:
-    def __init__(self, addr: str) -> None:
+    def __init__(self, addr: str, channel: grpc.aio.Channel) -> None:
         self.addr = addr
-        self.channel = grpc.aio.insecure_channel(addr)
-        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self.stub = generation_pb2_grpc.GenerationStub(channel)
 
     async def generate(self, **fields) -> list[generation_pb2.GenerateResponse]:
         return [m async for m in self.stub.Generate(generation_pb2.GenerateRequest(**fields), timeout=60)]
@@ -40,16 +38,8 @@ class Api:
 
 @pytest.fixture
 async def api(tiny_model):
-    async with stage_servers(str(tiny_model), 2) as (addrs, _):
-        server, coord = await start(CoordinatorConfig(stages=tuple(addrs), model=str(tiny_model), port=0,
-                                                      max_new_tokens_cap=64, default_max_new_tokens=16))
-        client = Api(f"127.0.0.1:{server.port}")
-        try:
-            yield client
-        finally:
-            await client.channel.close()
-            await server.stop(0)
-            await coord.close()
+    async with served_coordinator(str(tiny_model), 2, max_new_tokens_cap=64, default_max_new_tokens=16) as served:
+        yield Api(served.address, served.channel)
 
 
 @pytest.mark.smoke

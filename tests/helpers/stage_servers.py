@@ -1,8 +1,14 @@
-"""In-process stage servers on 127.0.0.1 (same event loop as the test) for fast gRPC tests."""
+"""In-process stage servers on 127.0.0.1 (same event loop as the test) for fast gRPC tests, and a coordinator
+with its gRPC API served over them."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
 
 from protos import stage_pb2_grpc
 from services.config import MiB, StageConfig
@@ -11,6 +17,9 @@ from services.server import SERVICE_NAME, build_runner
 from services.servicer import StageServicer
 
 from coordinator.cli.local import LocalStages, free_port
+from coordinator.config import CoordinatorConfig
+from coordinator.frontends.server import ApiServer, start
+from coordinator.frontends.service import Coordinator
 
 
 @asynccontextmanager
@@ -42,6 +51,36 @@ async def stage_servers(model: str, num_stages: int, stage_time_ms: str = "0", k
         for server, servicer in zip(servers, servicers):
             await server.stop(0)
             await servicer.close()
+
+
+@dataclass
+class ServedCoordinator:
+    """What `served_coordinator` yields: the stages, the coordinator and its API, a channel to that API."""
+    stages: list[str]                   # the stages' addresses
+    servicers: list[StageServicer]
+    server: ApiServer
+    coord: Coordinator
+    address: str                        # the API's, 127.0.0.1:port
+    channel: grpc.aio.Channel           # insecure, to `address`
+
+
+@asynccontextmanager
+async def served_coordinator(model: str, num_stages: int, stage_time_ms: str = "0", kv_limit_mb: float = 0.0,
+                             **config: Any) -> AsyncIterator[ServedCoordinator]:
+    """num_stages in-process stages serving `model` (as `stage_servers`), a coordinator over them with its gRPC
+    API on a free port (further CoordinatorConfig fields in `config`), and an insecure channel to that API. On
+    exit the channel closes, then the API server stops, then the coordinator and the stages close."""
+    async with stage_servers(model, num_stages, stage_time_ms=stage_time_ms, kv_limit_mb=kv_limit_mb) \
+            as (addresses, servicers):
+        server, coord = await start(CoordinatorConfig(stages=tuple(addresses), model=model, port=0, **config))
+        address = f"127.0.0.1:{server.port}"
+        channel = grpc.aio.insecure_channel(address)
+        try:
+            yield ServedCoordinator(addresses, servicers, server, coord, address, channel)
+        finally:
+            await channel.close()
+            await server.stop(0)
+            await coord.close()
 
 
 @contextmanager
