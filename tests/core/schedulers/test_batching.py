@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.core.drafts.model import ModelDraft, quantized_copy
+from coordinator.core.drafts.model import ModelDraft
 from coordinator.core.schedulers.base import Inject, Request
 from coordinator.core.schedulers.cbpp import CBPPScheduler
 from coordinator.core.schedulers.specpipe import SpecPipeScheduler
 from coordinator.engine.transports.inprocess import InProcessPipeline
+from helpers.drafts import make_draft
+from helpers.leftovers import assert_nothing_left
 from helpers.reference import hf_greedy, prompts
 from helpers.shard import make_runners
 
@@ -28,16 +30,7 @@ class Recording:
 
 
 def quant_draft(model) -> ModelDraft:
-    return ModelDraft(quantized_copy(str(model)), name="quant")
-
-
-def assert_nothing_left(sched, runners, draft=None) -> None:
-    assert not sched.requests and not sched.prefill_next and not sched._batches
-    for name in ("trees", "pending", "begun", "next_row"):
-        assert not getattr(sched, name, {}), f"scheduler keeps {name}"
-    assert all(not r.cache.requests and r.cache.nbytes() == 0 for r in runners), "a stage keeps KV"
-    if draft is not None:
-        assert not draft.runner.cache.requests, "the draft keeps KV"
+    return make_draft("quant", model, None)
 
 
 def staggered(n: int, seed: int, new: list[int]) -> tuple[list[Request], dict[str, int]]:

@@ -7,11 +7,12 @@ import pytest
 
 from services.batch import MicroBatch
 
-from coordinator.core.drafts.model import ModelDraft, quantized_copy
 from coordinator.core.schedulers.base import Inject, Request
 from coordinator.core.schedulers.cbpp import CBPPScheduler
 from coordinator.core.schedulers.specpipe import SpecPipeScheduler
 from coordinator.engine.transports.inprocess import InProcessPipeline
+from helpers.drafts import make_draft
+from helpers.leftovers import assert_nothing_left
 from helpers.reference import hf_greedy, prompts
 from helpers.shard import make_runners
 
@@ -71,10 +72,6 @@ def test_only_a_prompt_that_has_not_started_overtakes():
     assert rows_of(a2) == {"A": [4, 5, 6, 7]}
 
 
-def quant_draft(model) -> ModelDraft:
-    return ModelDraft(quantized_copy(str(model)), name="quant")
-
-
 def test_cb_pp_does_not_overtake():
     sched = CBPPScheduler(1, node_budget=8, prefill_chunk=4)
     sched.add(Request("A", [1, 2, 3], 3))
@@ -90,7 +87,7 @@ def test_overtaking_prompts_under_staggered_arrivals_and_cancellations_are_exact
     output is its greedy output alone; no state is left."""
     S = 4
     runners = make_runners(tiny_model8, S, layers=8)
-    draft = quant_draft(tiny_model8) if method == "specpipe" else None
+    draft = make_draft("quant", tiny_model8, None) if method == "specpipe" else None
     sched = CBPPScheduler(S, node_budget=12, prefill_chunk=5) if method == "cb-pp" else \
         SpecPipeScheduler(S, draft, width=4, node_budget=12, prefill_chunk=5)
     depth: list[int] = []             # micro-batches in flight whenever the driver takes the actions
@@ -122,9 +119,4 @@ def test_overtaking_prompts_under_staggered_arrivals_and_cancellations_are_exact
     else:
         assert max(depth) == S and not overtook
     assert any(len(r.prompt_ids) > 5 for r in reqs), "a prompt longer than a chunk"
-    assert not sched.requests and not sched.prefill_next and not sched._batches
-    for name in ("trees", "pending", "begun", "next_row"):
-        assert not getattr(sched, name, {}), f"scheduler keeps {name}"
-    assert all(not r.cache.requests and r.cache.nbytes() == 0 for r in runners), "a stage keeps KV"
-    if draft is not None:
-        assert not draft.runner.cache.requests, "the draft keeps KV"
+    assert_nothing_left(sched, runners, draft)
