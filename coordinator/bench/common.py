@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import random
 import statistics
 from dataclasses import dataclass, field
 from importlib import resources
@@ -64,7 +65,9 @@ class BenchConfig:
     sps_ks: list[int] = field(default_factory=list)                    # sweep of sps k (empty: default)
     tree_shapes: list[tuple[int, int]] = field(default_factory=list)   # sweep of tree (nodes, depth)
     concurrency: list[int] = field(default_factory=lambda: [1])   # >1: clients at once (bench_load)
-    rounds: int = 2                    # requests per client at each concurrency level
+    rounds: int = 2                    # requests per client at each concurrency level; with request_rates,
+                                       # each prompt is sent this many times per rate
+    request_rates: list[float] = field(default_factory=list)   # open loop: Poisson arrivals, requests/s
     temperature: float = 0.0           # > 0: sample (prompt i uses seed i + 1 for every variant)
     verifies: list[str] = field(default_factory=list)   # sweep of --verify for specpipe, sps, tree
     node_budget: int = Speculation.node_budget     # specpipe, cb-pp: rows per micro-batch shared by requests
@@ -76,13 +79,15 @@ class BenchConfig:
 
     @property
     def load(self) -> bool:
-        """A concurrency sweep rather than one request at a time."""
-        return self.concurrency != [1]
+        """A sweep of load (concurrency levels or request rates) rather than one request at a time."""
+        return self.concurrency != [1] or bool(self.request_rates)
 
     def __post_init__(self) -> None:
         parse_draft_time(self.draft_time_ms, parse_stage_time(self.stage_time_ms))
         if not self.concurrency or min(self.concurrency) < 1 or self.rounds < 1:
             raise ValueError("concurrency levels and rounds must be at least 1")
+        if self.request_rates and (self.concurrency != [1] or not all(r > 0 for r in self.request_rates)):
+            raise ValueError("request rates must be above 0 requests per second, and not with --concurrency")
         if not self.variants:
             for m in self.methods:
                 if m == "specpipe":
@@ -188,3 +193,20 @@ def _mean(xs: list[float]) -> float | None:
 
 def machine_cores() -> int:
     return os.cpu_count() or 0
+
+
+def poisson_arrivals(n: int, rate_per_s: float, seed: int = 0) -> list[float]:
+    """n arrival times in ms of a Poisson process of `rate_per_s` requests per second, the first at 0
+    (gaps drawn from Exp(rate), seeded: the same n, rate and seed give the same times).
+
+        poisson_arrivals(3, 2.0) -> [0.0, t1, t2] with mean gap 500 ms
+    """
+    if n < 0 or not rate_per_s > 0:
+        raise ValueError(f"need n >= 0 and a rate above 0 requests per second, got {n}, {rate_per_s!r}")
+    rng = random.Random(seed)
+    times, t = [], 0.0
+    for i in range(n):
+        if i:
+            t += rng.expovariate(rate_per_s) * 1e3
+        times.append(t)
+    return times

@@ -8,7 +8,8 @@ from pathlib import Path
 def plot(result: dict, out_dir: str | Path) -> list[Path]:
     """Write tbt.png (time between tokens per variant, one group per pipeline depth) and, when several depths
     were run, tbt_vs_stages.png; for a concurrency sweep, throughput_vs_concurrency.png and
-    tbt_vs_concurrency.png instead. Returns the files written."""
+    tbt_vs_concurrency.png instead, and for a sweep of request rates throughput_vs_rate.png and tbt_vs_rate.png.
+    Returns the files written."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -22,8 +23,10 @@ def plot(result: dict, out_dir: str | Path) -> list[Path]:
     labels = list(dict.fromkeys(r["label"] for r in rows))
     emulated = result["config"].get("stage_time_ms", "0")
     note = f"emulated stage time {emulated} ms" if result["config"].get("emulated_stage_time") else "no emulated time"
+    if any(r.get("request_rate") for r in rows):
+        return _level_plots(plt, rows, out, note, "request_rate", "requests per second (Poisson arrivals)", "rate")
     if len({r.get("concurrency", 1) for r in rows}) > 1:
-        return _concurrency_plots(plt, rows, out, note)
+        return _level_plots(plt, rows, out, note, "concurrency", "concurrent requests", "concurrency")
 
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(labels) * len(stages)), 4.5))
     width = 0.8 / len(stages)
@@ -65,28 +68,29 @@ def plot(result: dict, out_dir: str | Path) -> list[Path]:
     return written
 
 
-def _concurrency_plots(plt, rows: list[dict], out: Path, note: str) -> list[Path]:
-    """Throughput and time between tokens (p50, p90 dashed) against concurrency, one line per variant."""
+def _level_plots(plt, rows: list[dict], out: Path, note: str, level: str, xlabel: str, suffix: str) -> list[Path]:
+    """Throughput and time between tokens (p50, p90 dashed) against the load (`level`: the row's concurrency
+    or request rate), one line per variant."""
     series: dict[str, list[dict]] = defaultdict(list)
     for r in rows:
         series[f"{r['label']} S={r['stages']}"].append(r)
-    levels = sorted({r["concurrency"] for r in rows})
+    levels = sorted({r[level] for r in rows})
     written = []
-    for name, ylabel, keys in [("throughput_vs_concurrency.png", "throughput, tokens/s", ["throughput_tok_s"]),
-                               ("tbt_vs_concurrency.png", "time between tokens, ms (p50; p90 dashed)",
+    for name, ylabel, keys in [(f"throughput_vs_{suffix}.png", "throughput, tokens/s", ["throughput_tok_s"]),
+                               (f"tbt_vs_{suffix}.png", "time between tokens, ms (p50; p90 dashed)",
                                 ["tbt_ms_p50", "tbt_ms_p90"])]:
         fig, ax = plt.subplots(figsize=(6.5, 4.5))
         for label, pts in series.items():
-            pts = sorted(pts, key=lambda r: r["concurrency"])
+            pts = sorted(pts, key=lambda r: r[level])
             for key in keys:
-                ax.plot([p["concurrency"] for p in pts], [p[key] for p in pts], marker="o",
+                ax.plot([p[level] for p in pts], [p[key] for p in pts], marker="o",
                         linestyle="--" if key.endswith("p90") else "-",
                         label=label if key == keys[0] else None)
         ax.set_xscale("log", base=2)
-        ax.set_xticks(levels, [str(c) for c in levels])
-        ax.set_xlabel("concurrent requests")
+        ax.set_xticks(levels, [f"{c:g}" for c in levels])
+        ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
-        ax.set_title(f"{ylabel.split(',')[0].capitalize()} against concurrency\n({note})", fontsize=10)
+        ax.set_title(f"{ylabel.split(',')[0].capitalize()} against {xlabel.split(' (')[0]}\n({note})", fontsize=10)
         ax.legend(fontsize=8)
         fig.tight_layout()
         written.append(out / name)

@@ -20,7 +20,7 @@ from services.config import parse_stage_time
 
 from coordinator.bench.common import (OVERRUN, BenchConfig, Variant, generate_one, load_prompts, machine_cores,
                                       summarize)
-from coordinator.bench.load import ratios, run_levels
+from coordinator.bench.load import level_name, ratios, run_levels
 from coordinator.config import CoordinatorConfig
 from coordinator.cli.local import LocalStages
 from coordinator.core.schedulers.registry import Speculation
@@ -31,6 +31,8 @@ async def run_bench(cfg: BenchConfig, log=print) -> dict:
     prompts = load_prompts(cfg.prompts, cfg.num_prompts)
     stage_time = parse_stage_time(cfg.stage_time_ms)
     out_rows = []
+    # every request of a level may be in the server at once (an open loop does not wait for the server)
+    load_cap = len(prompts) * cfg.rounds if cfg.request_rates else max(cfg.concurrency)
     for num_stages in cfg.stages:
         stages = LocalStages(num_stages, model=cfg.model, dtype=cfg.dtype, device=cfg.device,
                              threads=cfg.threads, stage_time_ms=cfg.stage_time_ms)
@@ -41,12 +43,13 @@ async def run_bench(cfg: BenchConfig, log=print) -> dict:
             coordinator = await Coordinator.connect(CoordinatorConfig(
                 stages=tuple(stages.addresses), model=cfg.model, draft=cfg.draft, draft_device=cfg.device,
                 max_new_tokens_cap=1 << 20,
-                node_budget=cfg.node_budget, max_active=max(cfg.concurrency), max_queue=max(cfg.concurrency)))
+                node_budget=cfg.node_budget, max_active=load_cap, max_queue=load_cap))
             runs: dict[Variant, list[dict]] = {v: [] for v in cfg.variants}
             await generate_one(coordinator, cfg.variants[0], prompts[0], 4)            # warm-up, not counted
             if cfg.load:
                 out_rows += await run_levels(coordinator, cfg.variants, prompts, num_stages, cfg.concurrency,
-                                             cfg.rounds, cfg.max_new_tokens, stage_time, log, cfg.temperature)
+                                             cfg.rounds, cfg.max_new_tokens, stage_time, log, cfg.temperature,
+                                             rates=cfg.request_rates)
                 continue
             for pi, prompt in enumerate(prompts):
                 for v in cfg.variants:                                          # interleaved
@@ -93,7 +96,7 @@ def table(result: dict) -> str:
             flag += ("; " if flag else "") + machine_bound_flag(r)
         tps = f"{r['tokens_per_step']:.2f}" if r["tokens_per_step"] is not None else "-"
         ovh = f"{100 * r['overhead_share']:.1f}%" if r.get("overhead_share") is not None else "-"
-        lines.append(f"{r['stages']:>3} {r['concurrency']:>3} {r['label']:<34} {r['tbt_ms_mean']:>8.1f} "
+        lines.append(f"{r['stages']:>3} {level_name(r):>3} {r['label']:<34} {r['tbt_ms_mean']:>8.1f} "
                      f"{r['tbt_ms_p90']:>8.1f} "
                      f"{r['ttft_ms_mean']:>8.0f} {tps:>9} {r.get('decode_tokens_per_step') or 0:>8.2f} {hit:>6} "
                      f"{r['throughput_tok_s']:>7.2f} {100 * r['draft_share']:>6.1f}% {ovh:>6}  {flag}")
@@ -134,7 +137,11 @@ def main_args(p) -> None:
     p.add_argument("--tree-depth", default="", help="comma-separated depths to sweep for tree (with --tree-nodes)")
     p.add_argument("--concurrency", default="1",
                    help="comma-separated numbers of clients at once, e.g. 1,4,8,16 (with cb-pp,specpipe)")
-    p.add_argument("--rounds", type=int, default=2, help="requests per client at each concurrency level")
+    p.add_argument("--rounds", type=int, default=2, help="requests per client at each concurrency level (with "
+                   "--request-rate: times each prompt is sent per rate)")
+    p.add_argument("--request-rate", default="",
+                   help="comma-separated request rates per second to sweep instead of --concurrency: an open loop, "
+                        "each prompt sent --rounds times at seeded Poisson arrival times")
     p.add_argument("--node-budget", type=int, default=Speculation.node_budget,
                    help="specpipe, cb-pp: rows per micro-batch shared by the requests in it")
     p.add_argument("--temperature", type=float, default=0.0,
@@ -159,8 +166,17 @@ def config_from_args(a) -> BenchConfig:
                        out=a.out, model=a.model, draft=a.draft, dtype=a.dtype, device=a.device, threads=a.threads,
                        hf_reference=a.hf_reference, sps_ks=ints(a.sps_k), concurrency=ints(a.concurrency),
                        rounds=a.rounds, node_budget=a.node_budget, temperature=a.temperature,
+                       request_rates=_rates(a.request_rate),
                        verifies=strs(a.verifies), topks=ints(a.topks), draft_rounds=ints(a.draft_rounds), draft_time_ms=getattr(a, "draft_time_ms", None) or "",
                        tree_shapes=[(n, d) for n in ints(a.tree_nodes) for d in ints(a.tree_depth or "6")])
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--request-rate {text!r} is not a comma-separated list of requests per second, "
+                         "e.g. 0.5,1,2") from None
 
 
 def log_stderr(msg: str) -> None:

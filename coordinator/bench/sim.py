@@ -18,7 +18,7 @@ from services.config import describe_draft_time, parse_draft_time, parse_dtype, 
 from services.model.shard import load_shard
 from services.runner import StageRunner
 
-from coordinator.bench.common import BenchConfig, Variant, load_prompts, summarize
+from coordinator.bench.common import BenchConfig, Variant, load_prompts, poisson_arrivals, summarize
 from coordinator.core.drafts.factory import build_draft
 from coordinator.engine.transports.simulated import SimulatedPipeline
 from coordinator.core.schedulers.base import Request
@@ -78,35 +78,42 @@ def run_simulated(cfg: BenchConfig, hop_ms: float = 0.3, log=print) -> dict:
                        "draft_time_ms": {"measured_scale": draft_time[1]} if draft_time[0] == "measured" else
                        {"per_call_ms": draft_time[0], "per_row_ms": draft_time[1]},
                        "draft_time_model": describe_draft_time(cfg.draft_time_ms, draft_time),
-                       "concurrency": cfg.concurrency, "rounds": cfg.rounds, "node_budget": cfg.node_budget,
+                       "concurrency": cfg.concurrency, "request_rates": cfg.request_rates, "rounds": cfg.rounds,
+                       "node_budget": cfg.node_budget,
                        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
             "rows": rows}
 
 
 def _levels(cfg: BenchConfig, num_stages: int, runner: StageRunner, draft, token_ids: list[list[int]],
             stage_time: tuple[float, float], draft_time, hop_ms: float, log) -> list[dict]:
-    """The concurrency sweep on the simulated clock: at level c, c clients each send `rounds` requests one
-    after another (prompts in turn), as bench_load does with real processes, so levels this machine could
-    not host as processes (32, 64, 128 clients) can be measured. One row per (level, variant)."""
-    from coordinator.bench.load import level_row
+    """The load sweep on the simulated clock, as bench_load does with real processes, so levels this machine
+    could not host as processes (32, 64, 128 clients) can be measured: at concurrency c, c clients each send
+    `rounds` requests one after another (prompts in turn); at request rate R, every prompt `rounds` times at
+    Poisson arrival times (seed 0). One row per (level, variant)."""
+    from coordinator.bench.load import level_name, level_row
     rows = []
-    for c in cfg.concurrency:
+    for level in cfg.request_rates or cfg.concurrency:
+        rate = level if cfg.request_rates else None
+        n = len(token_ids) * cfg.rounds if rate else level * cfg.rounds
         for v in cfg.variants:
             spec = replace(SpecOptions(draft), **{"node_budget": cfg.node_budget, **v.overrides()})
             sched = make_scheduler(v.method, num_stages, spec)
             pipe = SimulatedPipeline([runner], stage_time, num_stages=num_stages, hop_ms=hop_ms, draft_time=draft_time)
-            reqs = [Request(f"c{c}-{v.label}-{i}", token_ids[i % len(token_ids)], cfg.max_new_tokens)
-                    for i in range(c * cfg.rounds)]
-            out = pipe.run(sched, reqs, draft=draft, clients=c)
+            reqs = [Request(f"{'r' if rate else 'c'}{level}-{v.label}-{i}", token_ids[i % len(token_ids)],
+                            cfg.max_new_tokens) for i in range(n)]
+            if rate:
+                out = pipe.run(sched, reqs, draft=draft, arrive_ms=poisson_arrivals(n, rate))
+            else:
+                out = pipe.run(sched, reqs, draft=draft, clients=level)
             runs = [dict(o.stats, tbt_ms=o.tbt_ms, ttft_ms=o.ttft_ms, wall_ms=o.end_ms - o.start_ms)
                     for o in out.values()]
             wall_s = max(o.end_ms for o in out.values()) / 1e3
-            row = level_row(v, num_stages, c, runs, wall_s, stage_time)
+            row = level_row(v, num_stages, None if rate else level, runs, wall_s, stage_time, request_rate=rate)
             row.update(simulated=True, stage_compute_ms=[], compute_overrun_stages=[], compute_ms_per_step=None,
                        machine_bound=False, draft_ms=pipe.draft_ms,     # the coordinator's modelled draft time
                        draft_share=pipe.draft_ms / (wall_s * 1e3) if wall_s else 0.0)
             rows.append(row)
-            log(f"  simulated S={num_stages} c={c} {v.label}: {row['throughput_tok_s']:.2f} tok/s, tbt p50 "
+            log(f"  simulated S={num_stages} {'rate' if rate else 'c'}={level_name(row)} {v.label}: {row['throughput_tok_s']:.2f} tok/s, tbt p50 "
                 f"{row['tbt_ms_p50']:.0f} ms p90 {row['tbt_ms_p90']:.0f} ms, ttft p50 {row['ttft_ms_p50']:.0f} ms "
                 f"p90 {row['ttft_ms_p90']:.0f} ms ({len(runs)} requests, {wall_s:.1f} s simulated)")
     return rows

@@ -171,3 +171,67 @@ def test_simulated_concurrency_sweep_rows(tiny_model8, tmp_path):
         assert r["throughput_tok_s"] > 0 and r["ttft_ms_p90"] >= r["ttft_ms_p50"] > 0 and r["simulated"] is True
     by = {(r["concurrency"], r["method"]): r for r in rows}
     assert by[(3, "cb-pp")]["throughput_tok_s"] > by[(1, "cb-pp")]["throughput_tok_s"]   # batching pays
+
+
+def test_request_rates_are_checked():
+    base = dict(stages=[8], methods=["cb-pp"], widths=[4], policies=["hybrid"])
+    with pytest.raises(ValueError, match="above 0"):
+        BenchConfig(**base, request_rates=[1.0, 0.0])
+    with pytest.raises(ValueError, match="not with --concurrency"):
+        BenchConfig(**base, request_rates=[1.0], concurrency=[1, 4])
+    assert BenchConfig(**base, request_rates=[0.5]).load and not BenchConfig(**base).load
+    from coordinator.bench.run import config_from_args
+    from coordinator.cli.main import build_parser
+    args = build_parser().parse_args(["bench", "--methods", "cb-pp,specpipe", "--request-rate", "0.5, 2"])
+    assert config_from_args(args).request_rates == [0.5, 2.0]
+    with pytest.raises(ValueError, match="--request-rate '0.5,x' is not a comma-separated list"):
+        config_from_args(build_parser().parse_args(["bench", "--request-rate", "0.5,x"]))
+
+
+def test_simulated_request_rate_sweep_rows_and_plots(tiny_model8, tmp_path):
+    """--request-rate 5,500 --rounds 2 over 3 prompts: per (rate, method) a row of all 6 requests, open loop;
+    at 500 requests per second they arrive nearly at once and queue, so cb-pp's time to first token is longer
+    than at 5 per second (mean gap 200 ms, an idle pipeline for most)."""
+    from coordinator.bench.plots import plot
+    from coordinator.bench.sim import run_simulated
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt_token_ids": p}) for p in ([5, 6, 7], [9, 9], [3, 4, 5, 6])))
+    cfg = BenchConfig(stages=[4], methods=["cb-pp", "specpipe"], widths=[4], policies=["hybrid"],
+                      stage_time_ms="10+0.5", max_new_tokens=6, prompts=str(prompts), num_prompts=0,
+                      out=str(tmp_path / "o"), model=str(tiny_model8), draft="quant", request_rates=[5.0, 500.0],
+                      rounds=2)
+    result = run_simulated(cfg, log=lambda m: None)
+    rows = result["rows"]
+    assert [(r["request_rate"], r["method"]) for r in rows] == [(5.0, "cb-pp"), (5.0, "specpipe"),
+                                                                (500.0, "cb-pp"), (500.0, "specpipe")]
+    for r in rows:
+        assert r["concurrency"] is None and r["requests"] == 6 and r["tokens"] == 36
+        assert r["throughput_tok_s"] > 0 and r["ttft_ms_p90"] >= r["ttft_ms_p50"] > 0
+    by = {(r["request_rate"], r["method"]): r for r in rows}
+    assert by[(500.0, "cb-pp")]["ttft_ms_p50"] > by[(5.0, "cb-pp")]["ttft_ms_p50"]
+    assert result["config"]["request_rates"] == [5.0, 500.0]
+    (tmp_path / "o").mkdir()
+    files = plot(result, tmp_path / "o")
+    assert [f.name for f in files] == ["throughput_vs_rate.png", "tbt_vs_rate.png"]
+    assert all(f.read_bytes()[:8] == PNG for f in files)
+    text = table(result)
+    assert "rate=500/s specpipe/hybrid/w4" in text and "time to first token p50" in text
+
+
+@pytest.mark.slow
+async def test_bench_request_rate_over_real_stages(tiny_model8, tmp_path):
+    """--request-rate 20 --rounds 1 over real stage processes: each of the 3 prompts once, at Poisson times."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt_token_ids": p}) for p in ([5, 6, 7], [9, 10], [11])))
+    cfg = BenchConfig(stages=[2], methods=["cb-pp", "specpipe"], widths=[4], policies=["hybrid"],
+                      stage_time_ms="5", max_new_tokens=5, prompts=str(prompts), num_prompts=0,
+                      out=str(tmp_path / "out"), model=str(tiny_model8), request_rates=[20.0], rounds=1,
+                      node_budget=8)
+    result = await run_bench(cfg, log=lambda m: None)
+    for r in result["rows"]:
+        assert REQUIRED <= set(r) and r["request_rate"] == 20.0 and r["concurrency"] is None
+        assert r["requests"] == 3 and r["tokens"] == 15
+        assert r["throughput_tok_s"] == pytest.approx(r["tokens"] / r["wall_s"])
+    files = [tmp_path / "out" / n for n in ("throughput_vs_rate.png", "tbt_vs_rate.png")]
+    assert all(f.read_bytes()[:8] == PNG for f in files)
+    assert "rate=20/s specpipe" in table(result)

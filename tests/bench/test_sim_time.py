@@ -11,6 +11,7 @@ import torch
 from coordinator.bench.run import BenchConfig, Variant, summarize, table
 from coordinator.core.drafts.base import DraftNode
 from coordinator.core.schedulers.base import Emit, Finish, Inject, Request
+from coordinator.bench.common import poisson_arrivals
 from coordinator.engine.transports.simulated import SimulatedPipeline
 from services.config import describe_draft_time, parse_draft_time
 
@@ -157,6 +158,43 @@ def test_a_result_is_handled_between_draft_rounds():
     out = pipe.run(sched, [Request("a", [1], 1)], draft=draft)
     assert out["a"].token_times == [pytest.approx(100.0)]
     assert sched.worked_at_result == 1
+
+
+def test_an_open_loop_submits_each_request_at_its_own_time():
+    """Draft work of 3 calls over 10 rows at (4 ms, 0.5 ms) = 17 ms per request. a arrives at 0 (token at 17),
+    c at 5 while the coordinator is still busy with a (handled at 17, token at 34: 29 ms to first token), b at
+    100 on an idle coordinator (token at 117). Time to first token counts from each request's own arrival."""
+    draft = FakeDraft()
+    sched = OneWorkScheduler(draft, calls=3, rows=10, cpu_s=0.0)
+    pipe = SimulatedPipeline([object()], (100.0, 0.0), num_stages=2, hop_ms=0.3, draft_time=(4.0, 0.5))
+    reqs = [Request("a", [1], 1), Request("c", [1], 1), Request("b", [1], 1)]
+    out = pipe.run(sched, reqs, draft=draft, arrive_ms=[0.0, 5.0, 100.0])
+    assert [out[r].token_times for r in "acb"] == [[pytest.approx(17.0)], [pytest.approx(34.0)], [pytest.approx(117.0)]]
+    assert [out[r].start_ms for r in "acb"] == [0.0, 5.0, 100.0]
+    assert [out[r].ttft_ms for r in "acb"] == [pytest.approx(17.0), pytest.approx(29.0), pytest.approx(17.0)]
+
+
+def test_open_loop_arrivals_are_checked():
+    pipe = SimulatedPipeline([object()], (1.0, 0.0), num_stages=1, draft_time=(0.0, 0.0))
+    reqs = [Request("a", [1], 1), Request("b", [1], 1)]
+    for bad in ([0.0], [0.0, -1.0], [0.0, float("nan")]):
+        with pytest.raises(ValueError, match="arrive_ms"):
+            pipe.run(OneWorkScheduler(FakeDraft(), 1, 1, 0.0), reqs, arrive_ms=bad)
+    with pytest.raises(ValueError, match="no clients"):
+        pipe.run(OneWorkScheduler(FakeDraft(), 1, 1, 0.0), reqs, clients=1, arrive_ms=[0.0, 1.0])
+
+
+def test_poisson_arrivals_are_seeded_and_have_the_asked_rate():
+    times = poisson_arrivals(20_000, 4.0, seed=3)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert times[0] == 0.0 and min(gaps) >= 0.0
+    assert sum(gaps) / len(gaps) == pytest.approx(250.0, rel=0.03)          # 1 / (4 per second)
+    assert sorted(gaps)[len(gaps) // 2] == pytest.approx(250.0 * 0.6931, rel=0.05)  # exponential median: ln 2 / rate
+    assert poisson_arrivals(5, 4.0, seed=3) == times[:5] and poisson_arrivals(5, 4.0, seed=4) != times[:5]
+    assert poisson_arrivals(0, 1.0) == []
+    for n, rate in ((-1, 1.0), (3, 0.0), (3, -2.0)):
+        with pytest.raises(ValueError, match="rate"):
+            poisson_arrivals(n, rate)
 
 
 def test_simulated_pipeline_rejects_a_bad_model():

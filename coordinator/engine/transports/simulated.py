@@ -77,11 +77,15 @@ class SimulatedPipeline:
         return per_call * (after[1] - before[1]) + per_row * (after[2] - before[2])
 
     def run(self, scheduler: Scheduler, requests: list[Request], draft=None,
-            clients: int | None = None) -> dict[str, SimOutcome]:
-        """Run requests to completion on the simulated clock: all arriving at time 0, in order, or with
+            clients: int | None = None, arrive_ms: list[float] | None = None) -> dict[str, SimOutcome]:
+        """Run requests to completion on the simulated clock: all arriving at time 0, in order; or with
         `clients` = c a closed loop — c requests at time 0, and each time one finishes the next in order
-        arrives (c clients sending one request after another). `draft` is the scheduler's draft source,
-        whose work is charged to the coordinator by `draft_time`."""
+        arrives (c clients sending one request after another); or with `arrive_ms` an open loop — request i
+        arrives at arrive_ms[i] whatever the pipeline is doing (e.g. Poisson arrivals, bench/common.py).
+        `draft` is the scheduler's draft source, whose work is charged to the coordinator by `draft_time`."""
+        if arrive_ms is not None and (clients or len(arrive_ms) != len(requests) or
+                                      any(not t >= 0 for t in arrive_ms)):
+            raise ValueError("arrive_ms needs one time >= 0 per request and no clients")
         S = self.num_stages
         events: list = []
         seq = itertools.count()
@@ -149,10 +153,14 @@ class SimulatedPipeline:
                 if waiting:            # two requests may end in one event with one request left to send
                     push(t, "submit", waiting.popleft())
 
-        for r in (requests[:clients] if clients else requests):
-            out[r.request_id].start_ms = coord_free
-            coord_free = handle(coord_free, scheduler.add, r)
-        admit(coord_free)
+        if arrive_ms is not None:
+            for r, t in zip(requests, arrive_ms):
+                push(t, "submit", r)
+        else:
+            for r in (requests[:clients] if clients else requests):
+                out[r.request_id].start_ms = coord_free
+                coord_free = handle(coord_free, scheduler.add, r)
+            admit(coord_free)
         def start(i: int, t: float) -> None:
             """Stage i takes its next micro-batch at t; rows pruned by then are dropped, as on a real stage."""
             busy[i] = True
@@ -190,3 +198,4 @@ class SimulatedPipeline:
         if live:
             raise RuntimeError(f"simulation ended with requests still running: {sorted(live)}")
         return out
+
