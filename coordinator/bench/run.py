@@ -167,7 +167,8 @@ def config_from_args(a) -> BenchConfig:
                        hf_reference=a.hf_reference, sps_ks=ints(a.sps_k), concurrency=ints(a.concurrency),
                        rounds=a.rounds, node_budget=a.node_budget, temperature=a.temperature,
                        request_rates=_rates(a.request_rate),
-                       verifies=strs(a.verifies), topks=ints(a.topks), draft_rounds=ints(a.draft_rounds), draft_time_ms=getattr(a, "draft_time_ms", None) or "",
+                       verifies=strs(a.verifies), topks=ints(a.topks), draft_rounds=ints(a.draft_rounds),
+                       draft_time_ms=getattr(a, "draft_time_ms", None) or "",
                        tree_shapes=[(n, d) for n in ints(a.tree_nodes) for d in ints(a.tree_depth or "6")])
 
 

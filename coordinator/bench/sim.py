@@ -113,7 +113,8 @@ def _levels(cfg: BenchConfig, num_stages: int, runner: StageRunner, draft, token
                        machine_bound=False, draft_ms=pipe.draft_ms,     # the coordinator's modelled draft time
                        draft_share=pipe.draft_ms / (wall_s * 1e3) if wall_s else 0.0)
             rows.append(row)
-            log(f"  simulated S={num_stages} {'rate' if rate else 'c'}={level_name(row)} {v.label}: {row['throughput_tok_s']:.2f} tok/s, tbt p50 "
-                f"{row['tbt_ms_p50']:.0f} ms p90 {row['tbt_ms_p90']:.0f} ms, ttft p50 {row['ttft_ms_p50']:.0f} ms "
-                f"p90 {row['ttft_ms_p90']:.0f} ms ({len(runs)} requests, {wall_s:.1f} s simulated)")
+            log(f"  simulated S={num_stages} {'rate' if rate else 'c'}={level_name(row)} {v.label}: "
+                f"{row['throughput_tok_s']:.2f} tok/s, tbt p50 {row['tbt_ms_p50']:.0f} ms p90 "
+                f"{row['tbt_ms_p90']:.0f} ms, ttft p50 {row['ttft_ms_p50']:.0f} ms p90 {row['ttft_ms_p90']:.0f} ms "
+                f"({len(runs)} requests, {wall_s:.1f} s simulated)")
     return rows
