@@ -19,15 +19,14 @@ work is done) under a shared row budget (`node_budget`):
    it. Only the last prompt row asks for output.
 3. **A prompt overtakes a full pipeline of speculation** (`overtakes`: specpipe only). When all S slots are
    taken and a request arrives whose prompt has not started, its first chunk goes in at once, alone, as
-   micro-batch S + 1. It queues at stage 0
-   behind the micro-batch there instead of waiting for the next result to come back and for the
-   coordinator to handle it (its draft round included). The result that comes back next is not refilled,
-   so the pipeline is S deep again one step later: the prompt took the slot it would have taken anyway,
-   only sooner, and only the decode rows that would have gone beside it wait that step. One such
-   micro-batch is in flight at a time (at most 1 in S slots overtakes; under a stream of arrivals the
-   others take ordinary slots, beside decode rows). A prompt longer than a chunk continues through
-   ordinary slots. `cb-pp` does not overtake: its full pipeline holds one sure token per request, and a
-   prompt going first holds a whole group of them back a step and unsettles the groups' rotation (on the
+   micro-batch S + 1. It queues at stage 0 behind the micro-batch there instead of waiting for the next
+   result to come back and for the coordinator to handle it (its draft round included). The result that comes
+   back next is not refilled, so the pipeline is S deep again one step later: the prompt took the slot it
+   would have taken anyway, only sooner, and only the decode rows that would have gone beside it wait that
+   step. One such micro-batch is in flight at a time (at most 1 in S slots overtakes; under a stream of
+   arrivals the others take ordinary slots, beside decode rows). A prompt longer than a chunk continues
+   through ordinary slots. `cb-pp` does not overtake: its full pipeline holds one sure token per request, and
+   a prompt going first holds a whole group of them back a step and unsettles the groups' rotation (on the
    simulated clock, S = 8, its time to first token p50 rose from 2138 to 2470 ms at 32 clients).
 
 Decode rows never exceed `node_budget` except when a single request's rows alone do (a bonus node is never
