@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from services.batch import MicroBatch
+from services.sampling import Sampling
 
 from coordinator.core.schedulers.base import Inject, Request
 from coordinator.core.schedulers.cbpp import CBPPScheduler
@@ -13,7 +14,7 @@ from coordinator.core.schedulers.specpipe import SpecPipeScheduler
 from coordinator.engine.transports.inprocess import InProcessPipeline
 from helpers.drafts import make_draft
 from helpers.leftovers import assert_nothing_left
-from helpers.reference import hf_greedy, prompts
+from helpers.reference import hf_greedy, prompts, reference_sample
 from helpers.shard import make_runners
 
 
@@ -81,10 +82,11 @@ def test_cb_pp_does_not_overtake():
 
 @pytest.mark.parametrize("method", ["specpipe", pytest.param("cb-pp", marks=pytest.mark.slow)])
 def test_overtaking_prompts_under_staggered_arrivals_and_cancellations_are_exact(tiny_model8, tiny_hf8, method):
-    """12 requests arrive into a full pipeline (S = 4), prompts up to 3 chunks. specpipe: some micro-batch
-    overtook (S + 1 in flight, never more), and two requests are cancelled one tick after they arrive, while
-    their overtaking micro-batch is in the pipeline; cb-pp (the same arrivals): never more than S. Every other
-    output is its greedy output alone; no state is left."""
+    """12 requests arrive into a full pipeline (S = 4), prompts up to 3 chunks, every third one sampled with
+    its own seed. specpipe: some micro-batch overtook (S + 1 in flight, never more), a sampled request's among
+    them, and two requests are cancelled one tick after they arrive, while their overtaking micro-batch is in
+    the pipeline; cb-pp (the same arrivals): never more than S. Every other output is its greedy output alone,
+    or exactly plain seeded sampling from the target; no state is left."""
     S = 4
     runners = make_runners(tiny_model8, S, layers=8)
     draft = make_draft("quant", tiny_model8, None) if method == "specpipe" else None
@@ -102,7 +104,9 @@ def test_overtaking_prompts_under_staggered_arrivals_and_cancellations_are_exact
                 overtook.update(seg.request_id for seg in a.batch.segments)
         return actions
     sched.poll = recorded
-    reqs = [Request(f"r{i}", p, 8 + 3 * (i % 4)) for i, p in enumerate(prompts(12, seed=3, low=3))]
+    sampling = {f"r{i}": Sampling(0.8, top_p=0.9, top_k=30, seed=700 + i) for i in range(1, 12, 3)}
+    reqs = [Request(f"r{i}", p, 8 + 3 * (i % 4), sampling=sampling.get(f"r{i}", Sampling()))
+            for i, p in enumerate(prompts(12, seed=3, low=3))]
     arrive = {f"r{i}": 3 * i for i in range(12)}
     cancel = {rid: arrive[rid] + 1 for rid in ("r5", "r9")}   # requests whose first chunk overtakes (specpipe)
     out = InProcessPipeline(runners).run(sched, reqs, arrive=arrive, cancel=cancel)
@@ -111,11 +115,13 @@ def test_overtaking_prompts_under_staggered_arrivals_and_cancellations_are_exact
         if r.request_id in cancel:
             assert o.reason == "cancelled" and o.tokens == [], r.request_id
         else:
-            assert o.reason == "length", r.request_id
-            assert o.tokens == hf_greedy(tiny_hf8, r.prompt_ids, r.max_new_tokens), r.request_id
+            want = reference_sample(tiny_hf8, r.prompt_ids, r.max_new_tokens, r.sampling) \
+                if r.request_id in sampling else hf_greedy(tiny_hf8, r.prompt_ids, r.max_new_tokens)
+            assert o.reason == "length" and o.tokens == want, r.request_id
     if method == "specpipe":
         assert max(depth) == S + 1, "a prompt overtook a full pipeline, and never more than one"
         assert set(cancel) <= overtook, "the cancelled requests were cancelled with their overtaking batch in flight"
+        assert overtook & (set(sampling) - set(cancel)), "a sampled request overtook and ran to the end"
     else:
         assert max(depth) == S and not overtook
     assert any(len(r.prompt_ids) > 5 for r in reqs), "a prompt longer than a chunk"
