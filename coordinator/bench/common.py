@@ -18,6 +18,7 @@ from pathlib import Path
 from services.config import parse_draft_time, parse_stage_time
 
 from coordinator.core.schedulers.registry import Speculation
+from coordinator.engine.live import TTFTPhase
 from coordinator.frontends.service import Coordinator, GenerateInput
 
 OVERRUN = 0.9    # flag a stage whose real compute per step exceeds this share of its emulated time
@@ -157,6 +158,7 @@ def summarize(variant: Variant, stages: int, runs: list[dict], stage_time: tuple
             "tbt_ms_mean": statistics.fmean(tbts) if tbts else 0.0, "tbt_ms_p50": percentile(tbts, 0.5),
             "tbt_ms_p90": percentile(tbts, 0.9),
             "ttft_ms_mean": statistics.fmean(r["ttft_ms"] for r in runs) if runs else 0.0,
+            "ttft_phases_ms": ttft_phases(runs),
             "tokens_per_step": tokens / steps if steps else 0.0,
             "decode_tokens_per_step": (sum(r["tokens"] - 1 for r in runs) / decode_steps
                                        if (decode_steps := sum(r.get("decode_steps", 0) for r in runs)) else 0.0),
@@ -185,6 +187,17 @@ async def generate_one(coordinator: Coordinator, v: Variant, prompt: dict, max_n
     async for chunk in coordinator.generate(inp):
         last = chunk
     return dict(last.stats)
+
+
+def ttft_phases(runs: list[dict]) -> dict[str, float] | None:
+    """Mean milliseconds per phase of the time to first token (coordinator/engine/live.py TTFTPhase; they add
+    up to `ttft_ms_mean`), over requests that report them: real processes do, the simulated clock does not
+    (None)."""
+    keys = [f"ttft_{p.value}_ms" for p in TTFTPhase]
+    timed = [r for r in runs if all(k in r for k in keys)]
+    if not timed:
+        return None
+    return {p.value: statistics.fmean(r[k] for r in timed) for p, k in zip(TTFTPhase, keys)}
 
 
 def _mean(xs: list[float]) -> float | None:

@@ -141,6 +141,7 @@ class Engine:
                 # a re-partition may have happened meanwhile: take the scheduler of the current pipeline
                 sched = live.scheduler = self.scheduler(method, spec)
             added = live.started = True
+            live.admitted = time.perf_counter()
             await self._call(sched, sched.add, request)
         except BaseException as e:
             if added and isinstance(e, asyncio.CancelledError):
@@ -214,6 +215,7 @@ class Engine:
                     self._orphans.update(wire_ids(action))  # for a failed pipeline: released on the next
                 elif isinstance(action, Inject):
                     self._in_flight.sent(sched, action.batch)
+                    self._requests.sent(action.batch, time.perf_counter())
                     await transport.inject(action.batch)
                 elif isinstance(action, Broadcast):
                     await transport.broadcast(action.control)
@@ -249,7 +251,9 @@ class Engine:
                 if back is None:
                     continue
                 sched, sent = back
-                self._requests.account(batch, sent, time.perf_counter())
+                now = time.perf_counter()
+                self._requests.account(batch, sent, now)
+                self._requests.returned(batch, now)
                 try:
                     await self._call(sched, sched.on_result, batch)
                 except Exception as e:     # the scheduler failed on this result: its requests' fault

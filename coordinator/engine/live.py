@@ -7,6 +7,15 @@ statistics of the earlier attempts; the final stats cover all of them.
     live.carry({"steps": 10, "tokens": 4, "hits": 3})      # attempt 1 ended by a failure
     live.final_stats({"steps": 6, "tokens": 2, "hits": 1}, now)["steps"] -> 16.0
 
+Time to first token in four phases (`TTFTPhase`), which add up to the stats' `ttft_ms`:
+
+    submitted --queue--> admitted --coordinator--> first rows sent --pipeline--> last prompt row back --emit--> token
+    e.g. 0 ms, admitted at 2, prompt sent at 14, its result back at 5616, first token at 5624:
+    ttft_queue_ms 2, ttft_coordinator_ms 12, ttft_pipeline_ms 5602, ttft_emit_ms 8 (ttft_ms 5624)
+
+A stage failure before the first token puts its recovery in `pipeline` (the last attempt's prompt result
+counts).
+
 `Requests` is the engine's table of them, by client id and by the wire id of the current attempt:
 
     reqs.next_attempt(live)  # "a" asked for 20, streamed 7 -> Request("a.r1", prompt + those 7, 13)
@@ -16,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field, replace
+from enum import Enum
 
 from services.batch import MicroBatch
 
@@ -28,6 +38,14 @@ from coordinator.core.status import FinishReason, Status
 MAX_FRUITLESS = 2
 # per-attempt stats that are not sums over the request's micro-batches
 _NOT_ADDITIVE = frozenset({"tokens", "tokens_per_step", "seed"})
+
+
+class TTFTPhase(str, Enum):
+    """Where a request's time to first token went (module docstring); stats key `ttft_<value>_ms`."""
+    QUEUE = "queue"                  # submit -> admitted (the admission queue)
+    COORDINATOR = "coordinator"      # admitted -> its first rows on the wire (scheduler lock, add, executor)
+    PIPELINE = "pipeline"            # -> the result holding its last prompt row is back (every stage)
+    EMIT = "emit"                    # -> the first token is streamed (scheduler lock, on_result, executor)
 
 
 @dataclass(frozen=True)
@@ -60,6 +78,9 @@ class LiveRequest:
     rtt_ms: float = 0.0                 # inject -> result, summed over this request's own micro-batches
     busy_ms: float = 0.0                # of which stages computed or waited out emulated time
     trips: int = 0
+    admitted: float | None = None       # perf_counter() when its first attempt was handed to the scheduler
+    first_sent: float | None = None     # ... when a micro-batch first carried its rows to stage 0
+    prefilled: float | None = None      # ... when the result with its (last attempt's) last prompt row came back
 
     def carry(self, stats: dict[str, float]) -> None:
         """An attempt ended by a stage failure: keep its statistics."""
@@ -90,9 +111,19 @@ class LiveRequest:
             out["rtt_ms_mean"] = self.rtt_ms / self.trips
             out["overhead_ms_mean"] = (self.rtt_ms - self.busy_ms) / self.trips
             out["overhead_share"] = (self.rtt_ms - self.busy_ms) / self.rtt_ms if self.rtt_ms else 0.0
+        out.update(self.ttft_phases())
         if "draft_ms" in out:
             out["draft_share"] = out["draft_ms"] / out["wall_ms"] if out["wall_ms"] else 0.0
         return out
+
+
+    def ttft_phases(self) -> dict[str, float]:
+        """`ttft_<phase>_ms` for every TTFTPhase, once the first token was streamed (else empty)."""
+        marks = [self.submitted, self.admitted, self.first_sent, self.prefilled,
+                 self.token_times[0] if self.token_times else None]
+        if any(m is None for m in marks):
+            return {}
+        return {f"ttft_{phase.value}_ms": (b - a) * 1e3 for phase, a, b in zip(TTFTPhase, marks, marks[1:])}
 
 
 class Requests:
@@ -170,6 +201,23 @@ class Requests:
         live = self.client(next(iter(rids))) if len(rids) == 1 else None
         if live is not None and sent is not None:
             live.account((now - sent) * 1e3, sum(t.compute_ms + t.wait_ms for t in batch.trace))
+
+    def sent(self, batch: MicroBatch, now: float) -> None:
+        """`batch` went on the wire: the first one for a request starts its pipeline phase."""
+        for seg in batch.segments:
+            live = self.current(seg.request_id)
+            if live is not None and live.first_sent is None:
+                live.first_sent = now
+
+    def returned(self, batch: MicroBatch, now: float) -> None:
+        """`batch` came back: for a request with no token yet, the one holding its last prompt row ends the
+        pipeline phase (for a re-run, the prompt is the client's plus the tokens streamed before)."""
+        for seg in batch.segments:
+            live = self.current(seg.request_id)
+            if live is not None and not live.token_times:
+                last = len(live.request.prompt_ids) + live.emitted_at_start - 1
+                if last in seg.positions:
+                    live.prefilled = now
 
     # -- events to the clients -------------------------------------------------------------------
     def emit(self, action: Emit, now: float) -> None:

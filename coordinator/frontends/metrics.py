@@ -4,7 +4,7 @@ Coordinator.generate wraps each request in a `RequestMetrics` (a context manager
 
     with RequestMetrics(method) as m:     # the clock starts: submit time, TTFT is measured from here
         m.tokens(n)                       # each chunk of n streamed tokens: TTFT, TBT gaps, token counter
-        m.finished(reason, stats)         # the final chunk: outcome, tokens/step, hit rate, acceptance length
+        m.finished(reason, stats)         # the final chunk: outcome, TTFT phases, tokens/step, hit rate, ...
     # an exception leaving the block records its outcome: cancelled (client left), or a status name
 
 Time between tokens is observed once per token gap, so a request of N streamed tokens adds N - 1
@@ -28,6 +28,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from coordinator.core.schedulers.registry import METHODS
 from coordinator.core.status import FinishReason, Status
+from coordinator.engine.live import TTFTPhase
 
 if TYPE_CHECKING:
     from coordinator.engine.engine import Engine
@@ -36,6 +37,8 @@ TBT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKENS_PER_STEP_BUCKETS = (0.05, 0.1, 0.125, 0.2, 0.25, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
 RATE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                 120.0)
 ACCEPT_BUCKETS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0)
 
 REQUESTS = Counter("specpipe_requests", "Generate requests by method and outcome: the finish reason "
@@ -44,6 +47,11 @@ REQUESTS = Counter("specpipe_requests", "Generate requests by method and outcome
 TOKENS = Counter("specpipe_generated_tokens", "Tokens streamed to clients", ["method"])
 TTFT = Histogram("specpipe_time_to_first_token_seconds", "Submit (including the admission queue) to the "
                  "first streamed token", ["method"], buckets=TTFT_BUCKETS)
+TTFT_PHASE = Histogram("specpipe_time_to_first_token_phase_seconds", "The engine's time to first token in "
+                       "phases that add up to it: queue (the admission queue), coordinator (admitted to its first "
+                       "rows on the wire), pipeline (to the result with its last prompt row), emit (to the first "
+                       "token streamed); observed when the request ends", ["method", "phase"],
+                       buckets=PHASE_BUCKETS)
 TBT = Histogram("specpipe_time_between_tokens_seconds", "Gap between consecutive streamed tokens, one "
                 "observation per gap (tokens arriving together share the wait)", ["method"], buckets=TBT_BUCKETS)
 TOKENS_PER_STEP = Histogram("specpipe_tokens_per_step", "Tokens committed per pipeline step, per finished "
@@ -130,6 +138,9 @@ class RequestMetrics:
     def finished(self, reason: FinishReason, stats: dict[str, float]) -> None:
         """The request ended normally with this finish reason and the engine's per-request stats."""
         self.record_outcome(reason)
+        for phase in TTFTPhase:
+            if (ms := stats.get(f"ttft_{phase.value}_ms")) is not None:
+                TTFT_PHASE.labels(self.method, phase.value).observe(ms / 1e3)
         if stats.get("steps"):
             TOKENS_PER_STEP.labels(self.method).observe(stats.get("tokens_per_step", 0.0))
         if stats.get("decode_steps"):

@@ -65,6 +65,10 @@ async def test_bench_concurrency_sweep(tiny_model8, tmp_path):
         assert REQUIRED <= set(r) and r["requests"] == 2 * c and r["tokens"] == 5 * 2 * c
         assert r["throughput_tok_s"] == pytest.approx(r["tokens"] / r["wall_s"])
         assert r["tbt_ms_p50"] <= r["tbt_ms_p90"] and r["ttft_ms_p50"] <= r["ttft_ms_p90"]
+        phases = r["ttft_phases_ms"]                    # real processes report where the first token waited
+        assert set(phases) == {"queue", "coordinator", "pipeline", "emit"} and min(phases.values()) >= 0
+        assert sum(phases.values()) == pytest.approx(r["ttft_ms_mean"])
+        assert phases["pipeline"] >= 2 * 5, "two stages of at least 5 ms each"
     assert rows[("cb-pp", 1)]["hit_rate"] is None and rows[("cb-pp", 1)]["tokens_per_step"] == pytest.approx(0.5)
     files = [tmp_path / "out" / n for n in ("throughput_vs_concurrency.png", "tbt_vs_concurrency.png")]
     assert all(f.read_bytes()[:8] == PNG for f in files)
@@ -128,6 +132,14 @@ def test_specpipe_sweeps_topk_and_draft_rounds_and_rows_split_the_steps():
     assert row["decode_tokens_per_step"] == pytest.approx((10 + 20) / (10 + 30))
     assert row["tokens_per_step"] == pytest.approx(32 / 50)
     assert (row["lag_steps"], row["refill_steps"], row["warm_restarts"]) == (3.0, 3.0, 0.5)
+    assert row["ttft_phases_ms"] is None, "no request reported its phases (as on the simulated clock)"
+    phases = [dict(queue=0.0, coordinator=10.0, pipeline=880.0, emit=10.0), dict(queue=100.0, coordinator=30.0,
+                                                                               pipeline=760.0, emit=10.0)]
+    for r, ph in zip(runs, phases):
+        r.update({f"ttft_{k}_ms": v for k, v in ph.items()})
+    row = summarize(Variant("specpipe", 32, "hybrid"), 8, runs, (120.0, 0.0), cores=2)
+    assert row["ttft_phases_ms"] == {"queue": 50.0, "coordinator": 20.0, "pipeline": 820.0, "emit": 10.0}
+    assert sum(row["ttft_phases_ms"].values()) == pytest.approx(row["ttft_ms_mean"])
 
 
 def test_the_simulated_clock_runs_a_closed_loop_of_clients(tiny_model8, tiny_hf8):

@@ -235,3 +235,45 @@ def test_next_attempt_resumes_after_the_streamed_tokens_and_gives_up_without_pro
     assert isinstance(end, Finish) and end.reason is FinishReason.ERROR and end.error_code is Status.INTERNAL
     live.cancel_reason = FinishReason.CANCELLED
     assert table.next_attempt(live) == Finish(live.wire_id, FinishReason.CANCELLED, {"steps": 0.0})
+
+
+def test_ttft_phases_on_hand_set_times_add_up_to_the_ttft_and_count_a_re_run_in_the_pipeline() -> None:
+    """Submitted at 0 s, admitted at 0.002, first rows sent at 0.014 (a later send changes nothing), the
+    prompt's second chunk (its last row, position 9) back at 5.616 (the first chunk's result at 2.0 does not
+    end the phase), first token at 5.624: phases 2 / 12 / 5602 / 8 ms. A re-run before any token moves the
+    end of the pipeline phase to the re-run's own prompt result (prompt + the tokens streamed = still 10)."""
+    from coordinator.core.schedulers.base import Emit
+    from services.batch import Segment
+
+    def batch(rid: str, positions: list[int]) -> MicroBatch:
+        return MicroBatch(1, [Segment(rid, positions, [-1] * len(positions), positions, [0] * len(positions),
+                                      [False] * len(positions))])
+
+    table = Requests()
+    live = LiveRequest(None, asyncio.Queue(), 0.0, Request("a", list(range(10)), 4), "pp", None, "a")   # type: ignore[arg-type]
+    table.add(live)
+    live.admitted = 0.002
+    assert live.ttft_phases() == {}, "no token yet"
+    table.sent(batch("a", [0, 1, 2, 3, 4]), 0.014)
+    table.sent(batch("a", [5, 6, 7, 8, 9]), 0.5)
+    table.returned(batch("a", [0, 1, 2, 3, 4]), 2.0)
+    assert live.prefilled is None
+    table.returned(batch("a", [5, 6, 7, 8, 9]), 5.616)
+    table.emit(Emit("a", [42]), 5.624)
+    table.returned(batch("a", [9]), 7.0)                        # after the first token: no change
+    phases = live.ttft_phases()
+    assert phases == pytest.approx({"ttft_queue_ms": 2.0, "ttft_coordinator_ms": 12.0,
+                                    "ttft_pipeline_ms": 5602.0, "ttft_emit_ms": 8.0})
+    stats = live.final_stats({"steps": 3.0}, 9.0)
+    assert sum(phases.values()) == pytest.approx(stats["ttft_ms"]) and stats["ttft_pipeline_ms"] == phases["ttft_pipeline_ms"]
+
+    other = LiveRequest(None, asyncio.Queue(), 0.0, Request("b", list(range(10)), 4), "pp", None, "b")   # type: ignore[arg-type]
+    table.add(other)
+    other.admitted = 0.0
+    table.sent(batch("b", list(range(10))), 0.001)
+    table.next_attempt(other)                                   # a stage failed before b's first token
+    table.returned(batch("b", list(range(10))), 3.0)            # the failed attempt's result: stale id
+    assert other.prefilled is None
+    table.returned(batch("b.r1", list(range(10))), 4.0)
+    table.emit(Emit("b.r1", [1]), 4.5)
+    assert other.ttft_phases()["ttft_pipeline_ms"] == pytest.approx(3999.0)

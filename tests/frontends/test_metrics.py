@@ -136,10 +136,13 @@ async def test_a_request_is_reflected_in_coordinator_and_stage_metrics(tiny_mode
                 first = stub.Generate(generation_pb2.GenerateRequest(
                     prompt_token_ids=[5, 6, 7], max_new_tokens=16, ignore_eos=True, method="specpipe"), timeout=60)
                 await wait_until(lambda: stage_holds(stages[0]))              # its prefill is on stage 0
+                held = time.perf_counter()                  # its prompt was sent before, its result comes after
                 second = stub.Generate(generation_pb2.GenerateRequest(
                     prompt_token_ids=[8, 9], max_new_tokens=4, ignore_eos=True, method="pp"), timeout=60)
                 await wait_until(lambda: len(coord.engine.admission.queue) == 1)  # max_active=1: it waits
+                queued = time.perf_counter()                # it was submitted before, admitted after `first` ends
                 during = await asyncio.to_thread(scrape, metrics_port)
+            released = time.perf_counter()
             msgs = await read_all(first)
             window_s = time.perf_counter() - sent            # the request's whole life lies within it
             second_msgs = await read_all(second)
@@ -179,6 +182,17 @@ async def test_a_request_is_reflected_in_coordinator_and_stage_metrics(tiny_mode
     assert d("specpipe_draft_hit_rate_sum", method="specpipe") == pytest.approx(hits / (hits + misses))
     assert hits + misses == 16          # every committed token is an accepted draft token or a bonus
     assert d("specpipe_acceptance_length_sum", method="specpipe") == pytest.approx(16 / max(misses, 1))
+    # time to first token in phases: one observation each, adding up to the engine's ttft_ms; the hold at
+    # stage 1 is in the first request's pipeline phase, the wait for the first request in the second's queue
+    phase = lambda method, p: d("specpipe_time_to_first_token_phase_seconds_sum", method=method, phase=p)  # noqa: E731
+    names = ("queue", "coordinator", "pipeline", "emit")
+    for method, s_ in (("specpipe", stats), ("pp", second_msgs[-1].stats)):
+        for p in names:
+            assert d("specpipe_time_to_first_token_phase_seconds_count", method=method, phase=p) == 1, (method, p)
+            assert phase(method, p) == pytest.approx(s_.counters[f"ttft_{p}_ms"] / 1e3) and phase(method, p) >= 0
+        assert sum(s_.counters[f"ttft_{p}_ms"] for p in names) == pytest.approx(s_.ttft_ms), method
+    assert phase("specpipe", "pipeline") >= released - held
+    assert phase("pp", "queue") >= released - queued
     # the load gauges are back to zero once the request ended
     assert value(after, "specpipe_active_requests") == 0 and value(after, "specpipe_queued_requests") == 0
 
