@@ -116,7 +116,6 @@ class LiveRequest:
             out["draft_share"] = out["draft_ms"] / out["wall_ms"] if out["wall_ms"] else 0.0
         return out
 
-
     def ttft_phases(self) -> dict[str, float]:
         """`ttft_<phase>_ms` for every TTFTPhase, once the first token was streamed (else empty)."""
         marks = [self.submitted, self.admitted, self.first_sent, self.prefilled,
