@@ -102,6 +102,9 @@ class StageConfig(TLSOptions):
     host: str = option("127.0.0.1")
     port: int = option(0)               # 0: pick a free port (printed and written to port_file)
     port_file: str = option("", argparse.SUPPRESS, env=None)     # write the bound port here once serving
+    parent_pid: int = option(0, "drain and exit, as on SIGTERM, once the process with this pid is no longer "
+                                "this one's parent (it died); 0 = never. `specpipe local`, `run` and `bench` "
+                                "set it for the stages they start", env=None)
     next_hop: str = option("", "HOST:PORT of the next stage (empty on the last stage); '{next}' in it is replaced "
                                "by this stage's index + 1, and ignored on the last stage")
     dtype: str = option("float32", choices=sorted(DTYPES))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from pathlib import Path
 
 import torch
@@ -58,7 +59,22 @@ async def serve(config: StageConfig) -> None:
         with open(tmp, "w") as f:
             f.write(str(port))
         os.replace(tmp, config.port_file)
-    await server.serve_until_signal(config.grace_s, on_stop=servicer.close)
+    watcher = asyncio.create_task(exit_with_parent(config.parent_pid)) if config.parent_pid else None
+    try:
+        await server.serve_until_signal(config.grace_s, on_stop=servicer.close)
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+
+
+async def exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
+    """SIGTERM this process (the drain of `serve_until_signal`) once `parent_pid` is no longer its parent:
+    the process that started it died, however (even by SIGKILL), and it was re-parented."""
+    while os.getppid() == parent_pid:
+        await asyncio.sleep(poll_s)
+    get_logger("specpipe.stage").warning("the process that started this stage is gone: stopping",
+                                         parent_pid=parent_pid)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 EXAMPLES = """examples (a 2-stage pipeline on one machine; then `specpipe coordinator`):

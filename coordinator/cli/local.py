@@ -65,7 +65,8 @@ class LocalStages:
                        "--dtype", self.dtype, "--device", self.device, "--threads", str(self.threads),
                        "--stage-time-ms", self.stage_time_ms, "--kv-limit-mb", str(self.kv_limit_mb),
                        # never the coordinator's SPECPIPE_METRICS_PORT from the environment
-                       "--metrics-port", str(self.metrics_port + 1 + i if self.metrics_port else 0)]
+                       "--metrics-port", str(self.metrics_port + 1 + i if self.metrics_port else 0),
+                       "--parent-pid", str(os.getpid())]      # a stage outlives no killed parent
                       for i, port in enumerate(ports)]
         self.procs = [self._launch(i, "w") for i in range(self.num_stages)]
         self.restarts = [0] * self.num_stages

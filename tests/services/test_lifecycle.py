@@ -1,7 +1,9 @@
-"""Process lifecycle: a stage drains on SIGTERM (health NOT_SERVING, then a clean exit)."""
+"""Process lifecycle: a stage drains on SIGTERM (health NOT_SERVING, then a clean exit), and on the death of
+the process that started it."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 
@@ -47,3 +49,44 @@ async def test_stage_drains_and_exits_cleanly_on_sigterm(tiny_model, monkeypatch
         assert "draining" in log and "stopped" in log
     finally:
         stages.stop()
+
+
+PARENT = """
+import sys, time
+from coordinator.cli.local import LocalStages
+stages = LocalStages(1, model=sys.argv[1])
+stages.start()
+print(stages.procs[0].pid, flush=True)
+time.sleep(600)             # killed by the test long before
+"""
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a stage re-parented to this test's session leader may be
+    reaped late; its state then reads Z)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+async def test_a_stage_stops_when_the_process_that_started_it_is_killed(tiny_model, monkeypatch):
+    """`specpipe bench` or `run` killed by SIGKILL (no clean-up runs) leaves no stage process behind: the
+    stage sees it was re-parented and drains as on SIGTERM."""
+    import subprocess
+    import sys
+    monkeypatch.setenv("SPECPIPE_GRACE_S", "1")
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tiny_model)], stdout=subprocess.PIPE, text=True)
+    stage_pid = 0
+    try:
+        stage_pid = int(await asyncio.to_thread(parent.stdout.readline))
+        assert alive(stage_pid)
+        parent.kill()
+        parent.wait(30)
+        await wait_until(lambda: not alive(stage_pid), timeout=60, interval=0.2, what="the orphaned stage exits")
+    finally:
+        parent.kill()
+        parent.wait(30)
+        if stage_pid and alive(stage_pid):
+            os.kill(stage_pid, signal.SIGKILL)
