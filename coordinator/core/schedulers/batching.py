@@ -28,6 +28,20 @@ work is done) under a shared row budget (`node_budget`):
    through ordinary slots. `cb-pp` does not overtake: its full pipeline holds one sure token per request, and
    a prompt going first holds a whole group of them back a step and unsettles the groups' rotation (on the
    simulated clock, S = 8, its time to first token p50 rose from 2138 to 2470 ms at 32 clients).
+4. **A finished request's slot is held for the next prompt** (`holds_finished_slot`: specpipe only). When a
+   result ends a request (its length or an end-of-sequence token), another micro-batch is still in flight
+   and no prompt rows wait, one slot stays empty until the next event. A request that arrives meanwhile
+   takes it at once and finds stage 0 free, as in a pipeline that is not full; otherwise the next result
+   refills it beside its own slot. A client that sends its next request the moment its last one ends (an
+   agent, a harness with a fixed number of clients) thus no longer waits a whole stage time behind the
+   speculation that refilled the slot an instant before. When nobody comes, the cost is one micro-batch
+   of speculation, once per finish. There is no timer: the next result ends the hold, so one must be in
+   flight (S = 1 never holds). `cb-pp` does not hold: the micro-batch it would refill carries the next
+   sure token of each request in it.
+
+       S = 8, A ends in a result while 7 micro-batches are in flight: none goes in (holding). B arrives ->
+       B's first chunk and one row per running request go in now, 8 in flight. Or no one arrives -> the
+       next result refills two slots, and stage 0 takes them one stage time apart.
 
 Decode rows never exceed `node_budget` except when a single request's rows alone do (a bonus node is never
 split, a lone request may use its whole width). Worked example, node_budget 8, prefill_chunk 6, S = 2,
@@ -41,10 +55,12 @@ from abc import abstractmethod
 from services.batch import Control, MicroBatch, Segment
 
 from coordinator.core.schedulers.base import RequestState, Scheduler
+from coordinator.core.status import FinishReason
 
 
 class BatchingScheduler(Scheduler):
-    overtakes = False          # a fresh prompt may go in beyond a full pipeline (rule 3)
+    overtakes = False              # a fresh prompt may go in beyond a full pipeline (rule 3)
+    holds_finished_slot = False    # a request finished in a result: its slot waits for the next event (rule 4)
 
     def __init__(self, num_stages: int, node_budget: int = 32, prefill_chunk: int = 256) -> None:
         super().__init__(num_stages)
@@ -55,6 +71,8 @@ class BatchingScheduler(Scheduler):
         self.prefill_next: dict[str, int] = {}     # request -> index of its next prompt row to inject
         self._turn = 0                             # round-robin offset over running requests
         self._overtaker: int | None = None         # id of the micro-batch that last overtook a full pipeline
+        self._in_result = False                    # on_result is running (a finish there may hold a slot)
+        self.holding = False                       # one slot kept free for a prompt until the next event
 
     # -- hooks for subclasses -----------------------------------------------------------------------
     @abstractmethod
@@ -101,21 +119,32 @@ class BatchingScheduler(Scheduler):
         self._broadcast(Control(rid, commit=nodes))
         self.prefill_next[rid] = 0
         self._admitted(state)
+        self.holding = False          # the slot held for a prompt is this one's
         self._dispatch()
 
     def on_result(self, batch: MicroBatch) -> None:
-        super().on_result(batch)
+        self.holding = False          # a hold lasts until the next result at most
+        self._in_result = True
+        try:
+            super().on_result(batch)
+        finally:
+            self._in_result = False
         self._dispatch()
 
     def _finish(self, state: RequestState, reason: str, error: str = "", error_code: int = 0) -> None:
         self.prefill_next.pop(state.request.request_id, None)
         super()._finish(state, reason, error, error_code)
+        if self.holds_finished_slot and self._in_result and self.in_flight and self.requests and \
+                reason in (FinishReason.LENGTH, FinishReason.EOS):
+            self.holding = True       # rule 4: the next result (one is in flight) ends the hold at the latest
 
     # -- batching -----------------------------------------------------------------------------------
     def _dispatch(self) -> None:
-        """Fill free pipeline slots with micro-batches of ready requests; then, if the pipeline is full, let
-        prompts that have not started overtake (rule 3 above)."""
-        while self.in_flight < self.num_stages:
+        """Fill free pipeline slots (less one while `holding` and no prompt rows wait, rule 4) with
+        micro-batches of ready requests; then, if the pipeline is full, let prompts that have not started
+        overtake (rule 3 above)."""
+        held = self.holding and not self.prefill_next        # prompt rows waiting take the held slot
+        while self.in_flight < self.num_stages - held:
             segments = self._gather()
             if not segments:
                 return
