@@ -9,10 +9,11 @@ import pytest
 from services.batch import MicroBatch
 from services.sampling import Sampling
 
-from coordinator.core.schedulers.base import Finish, Inject, Request
+from coordinator.core.schedulers.base import Finish, Request
 from coordinator.core.schedulers.cbpp import CBPPScheduler
 from coordinator.core.schedulers.specpipe import SpecPipeScheduler
 from coordinator.engine.transports.inprocess import InProcessPipeline
+from helpers.by_hand import back, injected, rows_of
 from helpers.drafts import make_draft
 from helpers.leftovers import assert_nothing_left
 from helpers.reference import hf_greedy, prompts, reference_sample
@@ -22,21 +23,6 @@ from helpers.shard import make_runners
 class Holding(CBPPScheduler):
     """cb-pp's plain rows, so the rule can be followed by hand, with the hold switched on as in specpipe."""
     holds_finished_slot = True
-
-
-def injected(sched) -> list[MicroBatch]:
-    return [a.batch for a in sched.poll() if isinstance(a, Inject)]
-
-
-def back(sched, batch: MicroBatch, token: int = 9) -> list[MicroBatch]:
-    """The last stage returns `batch` with `token` for every output row; returns what the scheduler injects."""
-    outputs = sum(sum(s.want_output) for s in batch.segments)
-    sched.on_result(MicroBatch(batch.batch_id, batch.segments, argmax=[token] * outputs))
-    return injected(sched)
-
-
-def rows_of(batch: MicroBatch) -> dict[str, list[int]]:
-    return {s.request_id: s.positions for s in batch.segments}
 
 
 def two_in_flight(sched) -> tuple[MicroBatch, MicroBatch]:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from services.batch import MicroBatch
 from services.sampling import Sampling
 
 from coordinator.core.schedulers.base import Inject, Request
 from coordinator.core.schedulers.cbpp import CBPPScheduler
 from coordinator.core.schedulers.specpipe import SpecPipeScheduler
 from coordinator.engine.transports.inprocess import InProcessPipeline
+from helpers.by_hand import back, injected, rows_of
 from helpers.drafts import make_draft
 from helpers.leftovers import assert_nothing_left
 from helpers.reference import hf_greedy, prompts, reference_sample
@@ -21,21 +21,6 @@ from helpers.shard import make_runners
 class Overtaking(CBPPScheduler):
     """cb-pp's plain rows, so the rule can be followed by hand, with overtaking switched on as in specpipe."""
     overtakes = True
-
-
-def injected(sched) -> list[MicroBatch]:
-    return [a.batch for a in sched.poll() if isinstance(a, Inject)]
-
-
-def back(sched, batch: MicroBatch, token: int = 9) -> list[MicroBatch]:
-    """The last stage returns `batch` with `token` for every output row; returns what the scheduler injects."""
-    outputs = sum(sum(s.want_output) for s in batch.segments)
-    sched.on_result(MicroBatch(batch.batch_id, batch.segments, argmax=[token] * outputs))
-    return injected(sched)
-
-
-def rows_of(batch: MicroBatch) -> dict[str, list[int]]:
-    return {s.request_id: s.positions for s in batch.segments}
 
 
 def test_a_fresh_prompt_overtakes_a_full_pipeline_and_one_overtaker_is_in_flight_at_a_time():
