@@ -34,10 +34,12 @@ work is done) under a shared row budget (`node_budget`):
    takes it at once and finds stage 0 free, as in a pipeline that is not full; otherwise the next result
    refills it beside its own slot. A client that sends its next request the moment its last one ends (an
    agent, a harness with a fixed number of clients) thus no longer waits a whole stage time behind the
-   speculation that refilled the slot an instant before. When nobody comes, the cost is one micro-batch
-   of speculation, once per finish. There is no timer: the next result ends the hold, so one must be in
-   flight (S = 1 never holds). `cb-pp` does not hold: the micro-batch it would refill carries the next
-   sure token of each request in it.
+   speculation that refilled the slot an instant before. When nobody comes, every micro-batch behind the
+   empty slot goes one stage time later, so the scheduler holds only while it pays: it watches whether a
+   request arrives between each finish and the next result (held or not) and holds while that happened
+   at least half the time lately (`FollowRate`; random arrivals rarely land in that window). There is
+   no timer: the next result ends the hold, so one must be in flight (S = 1 never holds). `cb-pp` does
+   not hold: the micro-batch it would refill carries the next sure token of each request in it.
 
        S = 8, A ends in a result while 7 micro-batches are in flight: none goes in (holding). B arrives ->
        B's first chunk and one row per running request go in now, 8 in flight. Or no one arrives -> the
@@ -58,6 +60,34 @@ from coordinator.core.schedulers.base import RequestState, Scheduler
 from coordinator.core.status import FinishReason
 
 
+class FollowRate:
+    """How often a request arrives between a result that ended a request and the next result (rule 4):
+    counts that fade by `decay` per finish, Laplace-smoothed. Holding a slot pays while that is at least
+    even: a followed finish saves the prompt a stage time, an unfollowed one delays the running requests.
+
+        new: rate (0 + 1) / (0 + 2) = 0.5 -> holds.  Two finishes with no request after them (decay 0.8):
+        followed 0, seen 1.8, rate 1 / 3.8 = 0.26 -> does not hold.  Then two followed ones: followed 1.8,
+        seen 2.952, rate 2.8 / 4.952 = 0.57 -> holds again.
+    """
+
+    def __init__(self, decay: float = 0.8) -> None:
+        self.decay = decay
+        self.followed = 0.0
+        self.seen = 0.0
+
+    def observe(self, followed: bool) -> None:
+        self.followed = self.decay * self.followed + followed
+        self.seen = self.decay * self.seen + 1
+
+    @property
+    def rate(self) -> float:
+        return (self.followed + 1) / (self.seen + 2)
+
+    @property
+    def pays(self) -> bool:
+        return self.rate >= 0.5
+
+
 class BatchingScheduler(Scheduler):
     overtakes = False              # a fresh prompt may go in beyond a full pipeline (rule 3)
     holds_finished_slot = False    # a request finished in a result: its slot waits for the next event (rule 4)
@@ -73,6 +103,8 @@ class BatchingScheduler(Scheduler):
         self._overtaker: int | None = None         # id of the micro-batch that last overtook a full pipeline
         self._in_result = False                    # on_result is running (a finish there may hold a slot)
         self.holding = False                       # one slot kept free for a prompt until the next event
+        self.follow = FollowRate()                 # how often a request arrives right after a finish
+        self._watching = False                     # a finish in the last result: does a request follow?
 
     # -- hooks for subclasses -----------------------------------------------------------------------
     @abstractmethod
@@ -119,10 +151,16 @@ class BatchingScheduler(Scheduler):
         self._broadcast(Control(rid, commit=nodes))
         self.prefill_next[rid] = 0
         self._admitted(state)
+        if self._watching:            # a request followed the last finish
+            self.follow.observe(True)
+            self._watching = False
         self.holding = False          # the slot held for a prompt is this one's
         self._dispatch()
 
     def on_result(self, batch: MicroBatch) -> None:
+        if self._watching:            # no request followed the last finish
+            self.follow.observe(False)
+            self._watching = False
         self.holding = False          # a hold lasts until the next result at most
         self._in_result = True
         try:
@@ -136,7 +174,8 @@ class BatchingScheduler(Scheduler):
         super()._finish(state, reason, error, error_code)
         if self.holds_finished_slot and self._in_result and self.in_flight and self.requests and \
                 reason in (FinishReason.LENGTH, FinishReason.EOS):
-            self.holding = True       # rule 4: the next result (one is in flight) ends the hold at the latest
+            self._watching = True     # rule 4: the next result (one is in flight) ends the hold at the latest
+            self.holding = self.follow.pays
 
     # -- batching -----------------------------------------------------------------------------------
     def _dispatch(self) -> None:

@@ -1,7 +1,7 @@
 """A finished request's slot is held for the next prompt (coordinator/core/schedulers/batching.py, rule 4):
 until the next event, a result that ended a request leaves its slot empty; a request that arrives takes it,
-otherwise the next result refills it beside its own. Outputs stay exact and nothing is left; cb-pp does not
-hold."""
+otherwise the next result refills it beside its own; the scheduler holds only while requests have tended to
+follow finishes. Outputs stay exact and nothing is left; cb-pp does not hold."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +10,7 @@ from services.batch import MicroBatch
 from services.sampling import Sampling
 
 from coordinator.core.schedulers.base import Finish, Request
+from coordinator.core.schedulers.batching import FollowRate
 from coordinator.core.schedulers.cbpp import CBPPScheduler
 from coordinator.core.schedulers.specpipe import SpecPipeScheduler
 from coordinator.engine.transports.inprocess import InProcessPipeline
@@ -48,6 +49,7 @@ def test_a_finished_requests_slot_waits_for_the_next_prompt():
     sched.add(Request("D", [10, 11, 12], 5))
     (m5,) = injected(sched)
     assert rows_of(m5) == {"C": [2], "D": [0, 1, 2]} and not sched.holding and sched.in_flight == 2
+    assert (sched.follow.followed, sched.follow.seen) == (1.0, 1.0), "a finish a request followed"
 
 
 def test_when_no_prompt_comes_the_next_result_refills_both_slots():
@@ -57,6 +59,32 @@ def test_when_no_prompt_comes_the_next_result_refills_both_slots():
     m5, m6 = back(sched, m4)        # cb-pp's decode cap: ceil(2 running / 2 stages) = 1 row per micro-batch
     assert sorted(list(rows_of(m)) for m in (m5, m6)) == [["B"], ["C"]]
     assert not sched.holding and sched.in_flight == 2
+    assert (sched.follow.followed, sched.follow.seen) == (0.0, 1.0), "a finish no request followed"
+
+
+def test_follow_rate_worked_example():
+    rate = FollowRate(decay=0.8)
+    assert rate.rate == 0.5 and rate.pays
+    rate.observe(False)
+    rate.observe(False)
+    assert rate.rate == pytest.approx(1 / 3.8) and not rate.pays
+    rate.observe(True)
+    rate.observe(True)
+    assert (rate.followed, rate.seen) == (pytest.approx(1.8), pytest.approx(2.952))
+    assert rate.rate == pytest.approx(2.8 / 4.952) and rate.pays
+
+
+def test_finishes_that_no_request_follows_stop_the_hold_and_followed_ones_count_while_not_holding():
+    """After two unfollowed finishes the slot is refilled at once (C's row goes in), but the scheduler still
+    watches: D arriving before the next result counts as followed."""
+    sched = Holding(2, node_budget=8, prefill_chunk=8)
+    sched.follow.observe(False)
+    sched.follow.observe(False)
+    m3, _ = two_in_flight(sched)
+    (m5,) = back(sched, m3)
+    assert rows_of(m5) == {"C": [2]} and not sched.holding
+    sched.add(Request("D", [10, 11, 12], 5))
+    assert (sched.follow.followed, sched.follow.seen) == (1.0, pytest.approx(2.44))
 
 
 def test_cb_pp_does_not_hold():
