@@ -64,6 +64,25 @@ async def test_sixteen_concurrent_streams_are_exact_and_leave_nothing(tiny_model
 
 
 @pytest.mark.grpc
+async def test_closed_loop_clients_take_the_slots_held_for_them_over_grpc(tiny_model, tiny_hf):
+    """Two clients each send four requests one after another over the gRPC API (S = 4, 100 ms stages, so the
+    next result comes a stage time after a finish): a request that follows a finish arrives while its slot is
+    held and takes it (batching.py rule 4) in the real engine, and every output is exact."""
+    ps = prompts(8, seed=13)
+    async with served_coordinator(str(tiny_model), 4, stage_time_ms="100", method="specpipe", width=4) as served:
+        client = Client(served.channel)
+
+        async def one_client(k: int) -> list[list[int]]:
+            return [await client.generate(prompt_token_ids=ps[i], max_new_tokens=3) for i in range(k, 8, 2)]
+        outs = await asyncio.gather(one_client(0), one_client(1))
+        for k, ids in enumerate(outs):
+            assert ids == [hf_greedy(tiny_hf, ps[i], 3) for i in range(k, 8, 2)], k
+        sched = served.coord.engine.scheduler("specpipe")
+        assert sched.holds_taken >= 1 and sched.follow.followed > 0, (sched.holds_taken, sched.holds_lapsed)
+        await wait_until_empty(served.stages, served.coord)
+
+
+@pytest.mark.grpc
 async def test_a_full_queue_is_refused_with_resource_exhausted(tiny_model, tiny_hf):
     async with served_coordinator(str(tiny_model), 2, stage_time_ms="20", method="cb-pp", max_active=1,
                                   max_queue=1) as served:

@@ -105,6 +105,8 @@ class BatchingScheduler(Scheduler):
         self.holding = False                       # one slot kept free for a prompt until the next event
         self.follow = FollowRate()                 # how often a request arrives right after a finish
         self._watching = False                     # a finish in the last result: does a request follow?
+        self.holds_taken = 0                       # holds a request arrived into
+        self.holds_lapsed = 0                      # holds the next result ended
 
     # -- hooks for subclasses -----------------------------------------------------------------------
     @abstractmethod
@@ -154,6 +156,7 @@ class BatchingScheduler(Scheduler):
         if self._watching:            # a request followed the last finish
             self.follow.observe(True)
             self._watching = False
+        self.holds_taken += self.holding
         self.holding = False          # the slot held for a prompt is this one's
         self._dispatch()
 
@@ -161,6 +164,7 @@ class BatchingScheduler(Scheduler):
         if self._watching:            # no request followed the last finish
             self.follow.observe(False)
             self._watching = False
+        self.holds_lapsed += self.holding
         self.holding = False          # a hold lasts until the next result at most
         self._in_result = True
         try:

@@ -50,6 +50,7 @@ def test_a_finished_requests_slot_waits_for_the_next_prompt():
     (m5,) = injected(sched)
     assert rows_of(m5) == {"C": [2], "D": [0, 1, 2]} and not sched.holding and sched.in_flight == 2
     assert (sched.follow.followed, sched.follow.seen) == (1.0, 1.0), "a finish a request followed"
+    assert (sched.holds_taken, sched.holds_lapsed) == (1, 0)
 
 
 def test_when_no_prompt_comes_the_next_result_refills_both_slots():
@@ -60,6 +61,7 @@ def test_when_no_prompt_comes_the_next_result_refills_both_slots():
     assert sorted(list(rows_of(m)) for m in (m5, m6)) == [["B"], ["C"]]
     assert not sched.holding and sched.in_flight == 2
     assert (sched.follow.followed, sched.follow.seen) == (0.0, 1.0), "a finish no request followed"
+    assert (sched.holds_taken, sched.holds_lapsed) == (0, 1)
 
 
 def test_follow_rate_worked_example():
