@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import grpc
@@ -74,8 +76,6 @@ def alive(pid: int) -> bool:
 async def test_a_stage_stops_when_the_process_that_started_it_is_killed(tiny_model, monkeypatch):
     """`specpipe bench` or `run` killed by SIGKILL (no clean-up runs) leaves no stage process behind: the
     stage sees it was re-parented and drains as on SIGTERM."""
-    import subprocess
-    import sys
     monkeypatch.setenv("SPECPIPE_GRACE_S", "1")
     parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tiny_model)], stdout=subprocess.PIPE, text=True)
     stage_pid = 0
