@@ -12,6 +12,7 @@ import os
 import random
 import statistics
 from dataclasses import dataclass, field
+from enum import Enum
 from importlib import resources
 from pathlib import Path
 
@@ -76,6 +77,8 @@ class BenchConfig:
     draft_rounds: list[int] = field(default_factory=list)   # sweep of specpipe's --draft-rounds
     draft_time_ms: str = ""            # --simulate: draft cost "A[+B]" ms per call [+ per row], "measured";
                                        # empty: 0.3 x the stage time (services/config.py parse_draft_time)
+    hop_ms: float = 0.3                # --simulate: each hop's time
+    control_time: str = "measured"     # --simulate: charge the coordinator's measured control time, or "0"
     variants: list[Variant] = field(default_factory=list)
 
     @property
@@ -83,8 +86,15 @@ class BenchConfig:
         """A sweep of load (concurrency levels or request rates) rather than one request at a time."""
         return self.concurrency != [1] or bool(self.request_rates)
 
+    @property
+    def control_scale(self) -> float:
+        return parse_control_time(self.control_time)
+
     def __post_init__(self) -> None:
         parse_draft_time(self.draft_time_ms, parse_stage_time(self.stage_time_ms))
+        parse_control_time(self.control_time)
+        if not self.hop_ms >= 0:
+            raise ValueError(f"--hop-ms {self.hop_ms!r} must be 0 or more")
         if not self.concurrency or min(self.concurrency) < 1 or self.rounds < 1:
             raise ValueError("concurrency levels and rounds must be at least 1")
         if self.request_rates and (self.concurrency != [1] or not all(r > 0 for r in self.request_rates)):
@@ -106,6 +116,35 @@ class BenchConfig:
                     self.variants.append(Variant(m))
             if self.verifies:
                 self.variants = [w for v in self.variants for w in _with_verifiers(v, self.verifies)]
+
+
+class Regime(str, Enum):
+    """Time-model presets of `specpipe bench` (`--regime`); a flag given explicitly wins over its preset."""
+    CPU = "cpu"
+    GPU = "gpu"
+
+    @property
+    def preset(self) -> dict[str, str | float]:
+        """CPU: this project's historical setting, 120 ms per stage step (a CPU-scale number).
+        GPU: a 70B model in bf16 over 8 stages of one H100-class GPU each — ~17.5 GB of weights per stage
+        read once per step at ~3 TB/s: 5 ms per step + 0.025 ms per tree row; a ~1B draft (Llama-3.2-1B for
+        Llama-3.1-70B): 1.5 ms per call + 0.005 ms per row; 0.5 ms per hop (512 KiB of hidden states
+        through gRPC). Figures from public bandwidth numbers, not measured on a GPU here."""
+        if self is Regime.GPU:
+            return {"stages": "8", "stage_time_ms": "5+0.025", "draft_time_ms": "1.5+0.005", "hop_ms": 0.5}
+        return {"stages": "8", "stage_time_ms": "120", "draft_time_ms": "", "hop_ms": 0.3}
+
+
+def parse_control_time(text: str) -> float:
+    """`--control-time`: 'measured' -> 1.0 (the coordinator's measured time is charged), '0' -> 0.0.
+
+    >>> parse_control_time("measured"), parse_control_time("0")
+    (1.0, 0.0)
+    """
+    value = (text or "").strip().lower()
+    if value in ("measured", "0"):
+        return 1.0 if value == "measured" else 0.0
+    raise ValueError(f"--control-time {text!r} is neither 'measured' nor '0'")
 
 
 def _with_verifiers(v: Variant, verifies: list[str]) -> list[Variant]:
@@ -174,7 +213,19 @@ def summarize(variant: Variant, stages: int, runs: list[dict], stage_time: tuple
             "overhead_ms_per_trip": _mean([r["overhead_ms_mean"] for r in runs if "overhead_ms_mean" in r]),
             "result_bytes_per_step": sum(r.get("result_bytes", 0.0) for r in runs) / batches,
             "compute_overrun_stages": flagged, "compute_ms_per_step": per_step, "machine_bound": machine_bound,
-            "machine_cores": cores}
+            "machine_cores": cores, **per_step_costs(runs)}
+
+
+def per_step_costs(runs: list[dict]) -> dict[str, float | None]:
+    """Control and draft ms per pipeline step (per result handled), median and p90 over the requests (each
+    request's own mean); the simulated clock replaces these with its per-step distribution
+    (coordinator/engine/meter.py)."""
+    out: dict[str, float | None] = {}
+    for part in ("control", "draft"):
+        xs = [r[f"{part}_ms"] / r["batches"] for r in runs if r.get("batches") and f"{part}_ms" in r]
+        out[f"{part}_ms_per_step_p50"] = percentile(xs, 0.5) if xs else None
+        out[f"{part}_ms_per_step_p90"] = percentile(xs, 0.9) if xs else None
+    return out
 
 
 async def generate_one(coordinator: Coordinator, v: Variant, prompt: dict, max_new: int, temperature: float = 0.0,

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from services.config import parse_stage_time
 
-from coordinator.bench.common import (OVERRUN, BenchConfig, Variant, generate_one, load_prompts, machine_cores,
-                                      summarize)
+from coordinator.bench.common import (OVERRUN, BenchConfig, Regime, Variant, generate_one, load_prompts,
+                                      machine_cores, summarize)
 from coordinator.bench.load import level_name, ratios, run_levels
 from coordinator.config import CoordinatorConfig
 from coordinator.cli.local import LocalStages
@@ -86,7 +86,7 @@ def write_results(result: dict, out_dir: str) -> dict:
 def table(result: dict) -> str:
     rows = result["rows"]
     head = f"{'S':>3} {'c':>3} {'variant':<34} {'tbt ms':>8} {'p90':>8} {'ttft ms':>8} {'tok/step':>9} {'dec/stp':>8} " \
-           f"{'hit':>6} {'tok/s':>7} {'draft%':>7} {'ovh%':>6}  flags"
+           f"{'hit':>6} {'tok/s':>7} {'draft%':>7} {'ovh%':>6} {'ctl ms':>7}  flags"
     lines = [head, "-" * len(head)]
     for r in rows:
         hit = f"{r['hit_rate']:.2f}" if r["hit_rate"] is not None else "-"
@@ -96,10 +96,11 @@ def table(result: dict) -> str:
             flag += ("; " if flag else "") + machine_bound_flag(r)
         tps = f"{r['tokens_per_step']:.2f}" if r["tokens_per_step"] is not None else "-"
         ovh = f"{100 * r['overhead_share']:.1f}%" if r.get("overhead_share") is not None else "-"
+        ctl = f"{r['control_ms_per_step_p50']:.2f}" if r.get("control_ms_per_step_p50") is not None else "-"
         lines.append(f"{r['stages']:>3} {level_name(r):>3} {r['label']:<34} {r['tbt_ms_mean']:>8.1f} "
                      f"{r['tbt_ms_p90']:>8.1f} "
                      f"{r['ttft_ms_mean']:>8.0f} {tps:>9} {r.get('decode_tokens_per_step') or 0:>8.2f} {hit:>6} "
-                     f"{r['throughput_tok_s']:>7.2f} {100 * r['draft_share']:>6.1f}% {ovh:>6}  {flag}")
+                     f"{r['throughput_tok_s']:>7.2f} {100 * r['draft_share']:>6.1f}% {ovh:>6} {ctl:>7}  {flag}")
     lines += ratios(rows)
     base = {r["stages"]: r["tbt_ms_mean"] for r in rows if r["method"] == "pp" and r["concurrency"] == 1}
     for r in rows:
@@ -115,13 +116,18 @@ def machine_bound_flag(r: dict) -> str:
 
 
 def main_args(p) -> None:
-    p.add_argument("--stages", default="8", help="comma-separated pipeline depths")
+    p.add_argument("--regime", default=Regime.CPU.value, choices=[r.value for r in Regime],
+                   help="time-model preset: cpu = 120 ms stage steps (stages 8, draft 0.3 x stage, hop 0.3 ms); "
+                        "gpu (with --simulate) = a 70B model over 8 H100-class stages: stage 5+0.025 ms, draft "
+                        "1.5+0.005 ms, hop 0.5 ms. Flags given explicitly win")
+    p.add_argument("--stages", default=None, help="comma-separated pipeline depths (default 8)")
     p.add_argument("--methods", default="pp,specpipe")
     p.add_argument("--widths", default=str(Speculation.width), help="comma-separated widths for specpipe")
     p.add_argument("--tree-policies", default="hybrid", help="comma-separated: layer,best-first,hybrid")
     p.add_argument("--topks", default="", help="comma-separated children per node to sweep for specpipe")
     p.add_argument("--draft-rounds", default="", help="comma-separated draft calls per step to sweep for specpipe")
-    p.add_argument("--stage-time-ms", default="120")
+    p.add_argument("--stage-time-ms", default=None, help="emulated stage time A or A+B ms per step [+ per row] "
+                   "(default: the regime's, 120)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--prompts", default="", help="JSON lines {\"prompt\": ..., \"raw\": false} (or "
                    "\"prompt_token_ids\"); default: the shipped prompt set")
@@ -153,6 +159,11 @@ def main_args(p) -> None:
                    help="with --simulate: what the draft costs the coordinator, 'A' or 'A+B' = A ms per draft "
                         "model call + B ms per row it computes (e.g. 36+0.075), or 'measured' = its measured "
                         "CPU time; default 0.3 x --stage-time-ms (ngram drafts are free)")
+    p.add_argument("--hop-ms", type=float, default=None, help="with --simulate: each hop's time (default: the "
+                   "regime's, 0.3)")
+    p.add_argument("--control-time", default="measured", choices=["measured", "0"],
+                   help="with --simulate: charge the coordinator's own measured time per event (tree, "
+                        "verification, dispatch; everything but the draft model's forward), or not (0)")
     p.add_argument("--hf-reference", action="store_true",
                    help="also time transformers' generate and generate(assistant_model=<quant draft>) in-process")
 
@@ -160,15 +171,18 @@ def main_args(p) -> None:
 def config_from_args(a) -> BenchConfig:
     ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
     strs = lambda s: [x.strip() for x in s.split(",") if x.strip()]  # noqa: E731
-    return BenchConfig(stages=ints(a.stages), methods=strs(a.methods), widths=ints(a.widths),
-                       policies=strs(a.tree_policies), stage_time_ms=a.stage_time_ms,
+    preset = Regime(getattr(a, "regime", Regime.CPU.value)).preset
+    given = lambda name: getattr(a, name, None) if getattr(a, name, None) is not None else preset[name]  # noqa: E731
+    return BenchConfig(stages=ints(given("stages")), methods=strs(a.methods), widths=ints(a.widths),
+                       policies=strs(a.tree_policies), stage_time_ms=given("stage_time_ms"),
                        max_new_tokens=a.max_new_tokens, prompts=a.prompts, num_prompts=a.num_prompts,
                        out=a.out, model=a.model, draft=a.draft, dtype=a.dtype, device=a.device, threads=a.threads,
                        hf_reference=a.hf_reference, sps_ks=ints(a.sps_k), concurrency=ints(a.concurrency),
                        rounds=a.rounds, node_budget=a.node_budget, temperature=a.temperature,
                        request_rates=_rates(a.request_rate),
                        verifies=strs(a.verifies), topks=ints(a.topks), draft_rounds=ints(a.draft_rounds),
-                       draft_time_ms=getattr(a, "draft_time_ms", None) or "",
+                       draft_time_ms=given("draft_time_ms"), hop_ms=given("hop_ms"),
+                       control_time=getattr(a, "control_time", "measured"),
                        tree_shapes=[(n, d) for n in ints(a.tree_nodes) for d in ints(a.tree_depth or "6")])
 
 

@@ -20,6 +20,7 @@ from services.runner import StageRunner
 
 from coordinator.bench.common import BenchConfig, Variant, load_prompts, poisson_arrivals, summarize
 from coordinator.core.drafts.factory import build_draft
+from coordinator.engine.meter import StepMeter
 from coordinator.engine.transports.simulated import SimulatedPipeline
 from coordinator.core.schedulers.base import Request
 from coordinator.core.schedulers.registry import SpecOptions, make_scheduler
@@ -27,7 +28,7 @@ from coordinator.frontends.service import load_tokenizer
 from coordinator.core.text import PromptEncoder
 
 
-def run_simulated(cfg: BenchConfig, hop_ms: float = 0.3, log=print) -> dict:
+def run_simulated(cfg: BenchConfig, log=print) -> dict:
     torch.set_num_threads(max(1, cfg.threads))
     prompts = load_prompts(cfg.prompts, cfg.num_prompts)
     stage_time = parse_stage_time(cfg.stage_time_ms)
@@ -44,20 +45,22 @@ def run_simulated(cfg: BenchConfig, hop_ms: float = 0.3, log=print) -> dict:
     rows = []
     for num_stages in cfg.stages:
         if cfg.load:
-            rows += _levels(cfg, num_stages, runner, draft, token_ids, stage_time, draft_time, hop_ms, log)
+            rows += _levels(cfg, num_stages, runner, draft, token_ids, stage_time, draft_time, log)
             continue
         runs: dict[Variant, list[dict]] = {v: [] for v in cfg.variants}
+        meters = {v: StepMeter() for v in cfg.variants}
         for pi, prompt in enumerate(token_ids):
             for v in cfg.variants:
                 spec = replace(SpecOptions(draft), **v.overrides())
                 sched = make_scheduler(v.method, num_stages, spec)
-                pipe = SimulatedPipeline([runner], stage_time, num_stages=num_stages, hop_ms=hop_ms,
-                                         draft_time=draft_time)
+                pipe = SimulatedPipeline([runner], stage_time, num_stages=num_stages, hop_ms=cfg.hop_ms,
+                                         draft_time=draft_time, control_scale=cfg.control_scale)
                 rid = f"sim{next(ids)}"
                 calls, drows = (draft.calls, draft.rows) if draft is not None else (0, 0)
                 o = pipe.run(sched, [Request(rid, prompt, cfg.max_new_tokens)], draft=draft)[rid]
                 stats = dict(o.stats, tbt_ms=o.tbt_ms, ttft_ms=o.ttft_ms, wall_ms=o.end_ms - o.start_ms,
-                             draft_ms=pipe.draft_ms)      # the draft time charged on the simulated clock
+                             draft_ms=pipe.draft_ms, control_ms=pipe.control_ms)   # charged on the simulated clock
+                meters[v].extend(pipe.steps)
                 if draft is not None:
                     stats.update(draft_calls=draft.calls - calls, draft_rows=draft.rows - drows)
                 runs[v].append(stats)
@@ -69,10 +72,12 @@ def run_simulated(cfg: BenchConfig, hop_ms: float = 0.3, log=print) -> dict:
             row.update(simulated=True, stage_compute_ms=[], compute_overrun_stages=[], compute_ms_per_step=None,
                        machine_bound=False,
                        draft_calls_per_step=sum(r.get("draft_calls", 0) for r in runs[v]) / steps if steps else 0.0,
-                       draft_rows_per_step=sum(r.get("draft_rows", 0) for r in runs[v]) / steps if steps else 0.0)
+                       draft_rows_per_step=sum(r.get("draft_rows", 0) for r in runs[v]) / steps if steps else 0.0,
+                       **meters[v].summary())
             rows.append(row)
     return {"config": {"stages": cfg.stages, "variants": [v.label for v in cfg.variants], "simulate": True,
-                       "stage_time_ms": cfg.stage_time_ms, "emulated_stage_time": True, "hop_ms": hop_ms,
+                       "stage_time_ms": cfg.stage_time_ms, "emulated_stage_time": True, "hop_ms": cfg.hop_ms,
+                       "control_time": cfg.control_time,
                        "max_new_tokens": cfg.max_new_tokens, "num_prompts_used": len(prompts), "model": cfg.model,
                        "draft": cfg.draft,
                        "draft_time_ms": {"measured_scale": draft_time[1]} if draft_time[0] == "measured" else
@@ -85,7 +90,7 @@ def run_simulated(cfg: BenchConfig, hop_ms: float = 0.3, log=print) -> dict:
 
 
 def _levels(cfg: BenchConfig, num_stages: int, runner: StageRunner, draft, token_ids: list[list[int]],
-            stage_time: tuple[float, float], draft_time, hop_ms: float, log) -> list[dict]:
+            stage_time: tuple[float, float], draft_time, log) -> list[dict]:
     """The load sweep on the simulated clock, as bench_load does with real processes, so levels this machine
     could not host as processes (32, 64, 128 clients) can be measured: at concurrency c, c clients each send
     `rounds` requests one after another (prompts in turn); at request rate R, every prompt `rounds` times at
@@ -98,7 +103,8 @@ def _levels(cfg: BenchConfig, num_stages: int, runner: StageRunner, draft, token
         for v in cfg.variants:
             spec = replace(SpecOptions(draft), **{"node_budget": cfg.node_budget, **v.overrides()})
             sched = make_scheduler(v.method, num_stages, spec)
-            pipe = SimulatedPipeline([runner], stage_time, num_stages=num_stages, hop_ms=hop_ms, draft_time=draft_time)
+            pipe = SimulatedPipeline([runner], stage_time, num_stages=num_stages, hop_ms=cfg.hop_ms,
+                                     draft_time=draft_time, control_scale=cfg.control_scale)
             reqs = [Request(f"{'r' if rate else 'c'}{level}-{v.label}-{i}", token_ids[i % len(token_ids)],
                             cfg.max_new_tokens) for i in range(n)]
             if rate:
@@ -111,7 +117,7 @@ def _levels(cfg: BenchConfig, num_stages: int, runner: StageRunner, draft, token
             row = level_row(v, num_stages, None if rate else level, runs, wall_s, stage_time, request_rate=rate)
             row.update(simulated=True, stage_compute_ms=[], compute_overrun_stages=[], compute_ms_per_step=None,
                        machine_bound=False, draft_ms=pipe.draft_ms,     # the coordinator's modelled draft time
-                       draft_share=pipe.draft_ms / (wall_s * 1e3) if wall_s else 0.0)
+                       draft_share=pipe.draft_ms / (wall_s * 1e3) if wall_s else 0.0, **pipe.steps.summary())
             rows.append(row)
             log(f"  simulated S={num_stages} {'rate' if rate else 'c'}={level_name(row)} {v.label}: "
                 f"{row['throughput_tok_s']:.2f} tok/s, tbt p50 {row['tbt_ms_p50']:.0f} ms p90 "

@@ -33,6 +33,7 @@ BENCH_EXAMPLES = """examples:
       --tree-policies layer,best-first --out out/bench
   specpipe bench --simulate --stages 4,8,16,32 --stage-time-ms 120 --out out/sim
   specpipe bench --simulate --stages 8 --stage-time-ms 120+0.25 --draft-time-ms 36+0.075 --out out/sim8
+  specpipe bench --simulate --regime gpu --methods pp,tree,pipeinfer,specpipe --out out/gpu
   specpipe bench --concurrency 1,4,8,16 --methods cb-pp,specpipe --stages 4 --out out/load
 """
 LOCAL_EXAMPLES = """examples:
@@ -347,6 +348,9 @@ async def cmd_bench(args: argparse.Namespace) -> int:
     if args.draft_time_ms is not None and not args.simulate:
         raise ValueError("--draft-time-ms models the draft's time on the simulated clock: add --simulate, or drop "
                          "it (real runs time the draft as it runs)")
+    if not args.simulate and (args.hop_ms is not None or args.control_time != "measured" or args.regime == "gpu"):
+        raise ValueError("--hop-ms, --control-time and --regime gpu model time on the simulated clock: add "
+                         "--simulate, or drop them (real runs take the time they take)")
     cfg = config_from_args(args)
     cfg.model = await asyncio.to_thread(resolve_with_progress, cfg.model)
     if args.simulate and (cfg.temperature or cfg.verifies):

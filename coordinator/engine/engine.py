@@ -22,6 +22,7 @@ from coordinator.core.schedulers.registry import SpecOptions, make_scheduler
 from coordinator.core.status import FinishReason, Status
 from coordinator.engine.inflight import InFlight, wire_ids
 from coordinator.engine.live import Event, LiveRequest, Requests
+from coordinator.engine.meter import timed
 from coordinator.engine.state import REFUSING, RESTARTABLE, EngineState, EngineStateError, Unavailable
 from coordinator.engine.transports.base import Transport
 
@@ -185,9 +186,11 @@ class Engine:
         async with self._lock:
             if not self._current(sched):
                 return None
-            job = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+            job = asyncio.ensure_future(asyncio.to_thread(timed, fn, *args, draft=getattr(sched, "draft", None)))
             try:
-                return await asyncio.shield(job)
+                out, control_ms, _ = await asyncio.shield(job)
+                sched.charge_control(control_ms)     # the coordinator's own time, shared by the requests running
+                return out
             except asyncio.CancelledError:
                 await asyncio.wait([job])   # the thread still owns the scheduler: keep the lock until it ends
                 raise

@@ -69,6 +69,9 @@ ACCEPT_LENGTH = Histogram("specpipe_acceptance_length", "Tokens committed per dr
                           "max(misses, 1)", ["method"], buckets=ACCEPT_BUCKETS)
 DRAFT_TOKENS = Counter("specpipe_draft_tokens", "Committed tokens of the speculative methods: result=hit "
                        "(an accepted draft token) or miss (the target's own bonus token)", ["method", "result"])
+CONTROL_PER_STEP = Histogram("specpipe_control_seconds_per_step", "The coordinator's own time (scheduler, tree, "
+                             "verification, dispatch; the draft model's compute excluded) per pipeline step, per "
+                             "finished request", ["method"], buckets=TBT_BUCKETS)
 QUEUED = Gauge("specpipe_queued_requests", "Requests waiting in the admission queue")
 ACTIVE = Gauge("specpipe_active_requests", "Requests admitted and running")
 
@@ -141,6 +144,8 @@ class RequestMetrics:
         for phase in TTFTPhase:
             if (ms := stats.get(f"ttft_{phase.value}_ms")) is not None:
                 TTFT_PHASE.labels(self.method, phase.value).observe(ms / 1e3)
+        if stats.get("batches") and "control_ms" in stats:
+            CONTROL_PER_STEP.labels(self.method).observe(stats["control_ms"] / stats["batches"] / 1e3)
         if stats.get("steps"):
             TOKENS_PER_STEP.labels(self.method).observe(stats.get("tokens_per_step", 0.0))
         if stats.get("decode_steps"):

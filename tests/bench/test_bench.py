@@ -109,8 +109,9 @@ def test_simulated_clock_matches_the_latency_model(tiny_model8, tmp_path):
     prompts.write_text(json.dumps({"prompt_token_ids": [5, 6, 7]}))
     cfg = BenchConfig(stages=[4], methods=["pp", "specpipe"], widths=[4], policies=["hybrid"],
                       stage_time_ms="10", max_new_tokens=8, prompts=str(prompts), num_prompts=0,
-                      out=str(tmp_path / "o"), model=str(tiny_model8), draft="quant")
-    rows = {r["label"]: r for r in run_simulated(cfg, hop_ms=0.3, log=lambda m: None)["rows"]}
+                      out=str(tmp_path / "o"), model=str(tiny_model8), draft="quant",
+                      control_time="0")   # the latency model alone: no measured time
+    rows = {r["label"]: r for r in run_simulated(cfg, log=lambda m: None)["rows"]}
     assert rows["pp"]["tbt_ms_mean"] == pytest.approx(41.5) and rows["pp"]["ttft_ms_mean"] == pytest.approx(41.5)
     assert rows["pp"]["tokens_per_step"] == pytest.approx(0.25) and rows["pp"]["simulated"] is True
     assert rows["specpipe/hybrid/w4"]["tokens"] == 8

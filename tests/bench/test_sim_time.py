@@ -3,6 +3,7 @@ row counters it reads, results.json's record of the model, and the machine-bound
 from __future__ import annotations
 
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -160,6 +161,65 @@ def test_a_result_is_handled_between_draft_rounds():
     assert sched.worked_at_result == 1
 
 
+class SlowChain:
+    """pp-like, one request of `n` tokens, one micro-batch at a time; each result costs the coordinator
+    `own_s` of its own time and `draft_s` of draft compute (counted in the draft's `compute_s`)."""
+
+    def __init__(self, draft: FakeDraft, n: int, own_s: float, draft_s: float) -> None:
+        self.draft, self.n, self.own_s, self.draft_s, self.actions = draft, n, own_s, draft_s, []
+        self.has_work = False
+
+    def add(self, request: Request) -> None:
+        self.rid = request.request_id
+        self.actions.append(Inject(SimpleNamespace(batch_id=0)))
+
+    def on_result(self, result) -> None:
+        time.sleep(self.own_s)                 # the coordinator's own work (measured, charged as control)
+        started = time.perf_counter()
+        time.sleep(self.draft_s)               # draft compute: the draft-time model charges it instead
+        self.draft.compute_s += time.perf_counter() - started
+        self.n -= 1
+        self.actions.append(Emit(self.rid, [7]))
+        self.actions.append(Inject(SimpleNamespace(batch_id=0)) if self.n else Finish(self.rid, "length", {}))
+
+    def poll(self) -> list:
+        out, self.actions = self.actions, []
+        return out
+
+
+def test_the_simulated_clock_charges_measured_control_time():
+    """S = 1, a 10 ms stage, no hops: each token is one stage step. With the control time charged, each
+    result's 2 ms of the coordinator's own work delays the next micro-batch by it (about 2 ms more between
+    tokens); the 3 ms of draft compute in the same call is not control time (the draft model is charged
+    by its own time model: free here)."""
+    runs = {}
+    for scale in (0.0, 1.0):
+        draft = FakeDraft()
+        pipe = SimulatedPipeline([EchoRunner()], (10.0, 0.0), num_stages=1, hop_ms=0.0, draft_time=(0.0, 0.0),
+                                 control_scale=scale)
+        runs[scale] = (pipe.run(SlowChain(draft, 6, 0.002, 0.003), [Request("a", [1], 6)], draft=draft)["a"],
+                       pipe)
+    free, charged = runs[0.0][0], runs[1.0][0]
+    assert free.tbt_ms == pytest.approx(10.0)
+    assert 2.0 <= charged.tbt_ms - free.tbt_ms < 2.9 + 3.0, "2 ms of control per step, the 3 ms of draft not"
+    summary = runs[1.0][1].steps.summary()
+    assert len(runs[1.0][1].steps.steps) == 6 and 2.0 <= summary["control_ms_per_step_p50"] < 5.0
+    assert summary["draft_ms_per_step_p50"] == 0.0 and runs[0.0][1].steps.summary()["control_ms_total"] == 0.0
+
+
+def test_step_meter_buckets_by_result():
+    from coordinator.engine.meter import StepMeter
+    m = StepMeter()
+    m.add(1.0, 5.0)                       # before the first result: startup
+    m.add(0.5, 2.0, result=True)          # step 1
+    m.add(0.25, 1.0)                      # its work round
+    m.add(2.0, 0.0, result=True)          # step 2
+    assert [(s.control_ms, s.draft_ms) for s in m.steps] == [(0.75, 3.0), (2.0, 0.0)]
+    s = m.summary()
+    assert s["control_ms_per_step_p50"] == pytest.approx(1.375) and s["control_ms_per_step_p90"] == pytest.approx(1.875)
+    assert s["control_ms_total"] == pytest.approx(3.75) and s["draft_ms_total"] == pytest.approx(8.0)
+
+
 def test_an_open_loop_submits_each_request_at_its_own_time():
     """Draft work of 3 calls over 10 rows at (4 ms, 0.5 ms) = 17 ms per request. a arrives at 0 (token at 17),
     c at 5 while the coordinator is still busy with a (handled at 17, token at 34: 29 ms to first token), b at
@@ -235,8 +295,8 @@ def _sim(tiny_model8, tmp_path, draft_time_ms: str, name: str) -> dict:
     prompts.write_text(json.dumps({"prompt_token_ids": [5, 6, 7]}))
     cfg = BenchConfig(stages=[2], methods=["pp", "sps"], widths=[4], policies=["hybrid"], stage_time_ms="10",
                       max_new_tokens=6, prompts=str(prompts), num_prompts=0, out=str(tmp_path / name),
-                      model=str(tiny_model8), draft="quant", draft_time_ms=draft_time_ms)
-    write_results(run_simulated(cfg, hop_ms=0.3, log=lambda m: None), cfg.out)
+                      model=str(tiny_model8), draft="quant", draft_time_ms=draft_time_ms, control_time="0")
+    write_results(run_simulated(cfg, log=lambda m: None), cfg.out)
     return json.loads((tmp_path / name / "results.json").read_text())
 
 
@@ -286,3 +346,23 @@ def test_machine_bound_from_hand_made_stats():
     assert summarize(Variant("pp"), 2, [_stats([1500.0, 1000.0])], (120.0, 2.0), cores=2)["machine_bound"] is False
     # no emulated stage time: nothing to compare against
     assert summarize(Variant("pp"), 2, [_stats([1500.0, 1000.0])], (0.0, 0.0), cores=2)["machine_bound"] is None
+
+
+async def test_the_gpu_regime_preset_and_its_flags():
+    from coordinator.bench.run import config_from_args
+    from coordinator.cli.main import build_parser, cmd_bench
+    cfg = config_from_args(build_parser().parse_args(["bench", "--simulate", "--regime", "gpu"]))
+    assert (cfg.stages, cfg.stage_time_ms, cfg.draft_time_ms, cfg.hop_ms) == ([8], "5+0.025", "1.5+0.005", 0.5)
+    assert cfg.control_scale == 1.0                                   # the control time is charged by default
+    cfg = config_from_args(build_parser().parse_args(["bench", "--simulate", "--regime", "gpu", "--stages", "4",
+                                                      "--stage-time-ms", "3", "--hop-ms", "0",
+                                                      "--control-time", "0"]))
+    assert (cfg.stages, cfg.stage_time_ms, cfg.draft_time_ms, cfg.hop_ms, cfg.control_scale) == \
+        ([4], "3", "1.5+0.005", 0.0, 0.0)                            # explicit flags win over the preset
+    cfg = config_from_args(build_parser().parse_args(["bench"]))
+    assert (cfg.stages, cfg.stage_time_ms, cfg.draft_time_ms, cfg.hop_ms) == ([8], "120", "", 0.3)
+    for flags in (["--regime", "gpu"], ["--hop-ms", "1"], ["--control-time", "0"]):
+        with pytest.raises(ValueError, match="simulated clock: add --simulate"):
+            await cmd_bench(build_parser().parse_args(["bench", *flags]))
+    with pytest.raises(ValueError, match="hop"):
+        BenchConfig(stages=[2], methods=["pp"], widths=[4], policies=["hybrid"], hop_ms=-1.0)

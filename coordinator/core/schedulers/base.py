@@ -160,6 +160,14 @@ class Scheduler(ABC):
         if state is not None:
             self._finish(state, reason)
 
+    def charge_control(self, ms: float) -> None:
+        """The coordinator's own time of the last call (measured by the caller: coordinator/engine/meter.py),
+        shared by the requests running (`control_ms` in their stats)."""
+        if ms > 0 and self.requests:
+            share = ms / len(self.requests)
+            for state in self.requests.values():
+                state.count("control_ms", share)
+
     @property
     def has_work(self) -> bool:
         """True when the scheduler has deferred compute (e.g. draft expansions) for `work()`."""

@@ -1,4 +1,4 @@
-"""Driver 3: a simulated clock. Real stage runners compute every micro-batch (so outputs, hits and misses are
+"""A simulated clock. Real stage runners compute every micro-batch (so outputs, hits and misses are
 the real ones), but time comes from a latency model instead of waiting, so pipelines of 8–64 stages can be
 studied on a small machine in minutes.
 
@@ -12,7 +12,13 @@ Model (all in milliseconds):
   `draft_time`: (A, B) -> A ms per draft model call plus B ms per row those calls computed (modelled, from
   the draft's `calls` and `rows` counters; a draft that runs no model is free), or ("measured", scale) ->
   the draft's measured CPU compute time times `scale`;
+- the coordinator's own work (the scheduler's calls less the draft model's compute: tree, verification,
+  dispatch; coordinator/engine/meter.py) takes its measured wall time times `control_scale` (0: free, the
+  default here; the bench charges it, `--control-time measured`); an event's actions leave once it is handled;
 - control messages reach every stage at once.
+
+`steps` records, per pipeline step (one result handled and the calls up to the next), the control time and
+the modelled draft time charged.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from services.batch import MicroBatch
 from services.runner import StageRunner
 
 from coordinator.core.schedulers.base import Broadcast, Emit, Finish, Inject, Request, Scheduler
+from coordinator.engine.meter import StepMeter, timed
 
 
 @dataclass
@@ -49,7 +56,8 @@ class SimOutcome:
 class SimulatedPipeline:
     def __init__(self, runners: list[StageRunner], stage_ms: tuple[float, float], num_stages: int | None = None,
                  hop_ms: float = 0.3,
-                 draft_time: tuple[float, float] | tuple[str, float] = ("measured", 1.0)) -> None:
+                 draft_time: tuple[float, float] | tuple[str, float] = ("measured", 1.0),
+                 control_scale: float = 0.0) -> None:
         """`runners` compute, in order, at the first len(runners) of `num_stages` simulated stages; the other
         stages only take time. One runner holding every layer is the cheapest way to simulate deep pipelines
         (SmolLM2 has 30 layers, so S=32 cannot be split for real)."""
@@ -62,9 +70,14 @@ class SimulatedPipeline:
         elif len(draft_time) != 2 or not all(isinstance(x, (int, float)) and x >= 0 for x in draft_time):
             raise ValueError(f"draft time model {draft_time!r} is neither (A ms per call, B ms per row) with "
                              "A, B >= 0 nor ('measured', scale)")
+        if not control_scale >= 0 or not hop_ms >= 0:
+            raise ValueError(f"control time scale {control_scale!r} and hop {hop_ms!r} ms must be 0 or more")
         self.runners, self.stage_ms, self.hop_ms, self.draft_time = runners, stage_ms, hop_ms, tuple(draft_time)
         self.num_stages = num_stages
+        self.control_scale = control_scale
         self.draft_ms = 0.0         # draft time charged to the coordinator in the last run
+        self.control_ms = 0.0       # control time charged to the coordinator in the last run
+        self.steps = StepMeter()    # the last run's control and draft time per step
 
     def _draft_counters(self, draft) -> tuple[float, int, int]:
         return (draft.compute_s, draft.calls, draft.rows) if draft is not None else (0.0, 0, 0)
@@ -94,15 +107,16 @@ class SimulatedPipeline:
         coord_free = 0.0
         out = {r.request_id: SimOutcome() for r in requests}
         live = set(out)
-        self.draft_ms = 0.0
+        self.draft_ms = self.control_ms = 0.0
+        self.steps = StepMeter()
         waiting = deque(requests[clients:] if clients else [])
         arrivals: list[float] = []          # finish times at which the next waiting request arrives
 
         def push(t: float, kind: str, payload) -> None:
             heapq.heappush(events, (t, next(seq), kind, payload))
 
-        def dispatch(t: float) -> None:
-            for action in scheduler.poll():
+        def dispatch(t: float, actions: list) -> None:
+            for action in actions:
                 if isinstance(action, Inject):
                     push(t + self.hop_ms, "arrive", (0, action.batch))
                 elif isinstance(action, Broadcast):
@@ -121,12 +135,24 @@ class SimulatedPipeline:
 
         work_due = False            # a "work" event is queued
 
-        def handle(t: float, fn, *args) -> float:
+        def call(fn, *args, result: bool = False) -> tuple[list, float, float]:
+            """fn(*args) and poll, timed: (actions, control ms charged, draft ms charged)."""
+            before = self._draft_counters(draft)
+            (_, actions), control, _ = timed(lambda: (fn(*args), scheduler.poll()), draft=draft)
+            spent = self._draft_spent(before, self._draft_counters(draft))
+            control *= self.control_scale
+            self.steps.add(control, spent, result=result)
+            self.control_ms += control
+            self.draft_ms += spent
+            return actions, control, spent
+
+        def handle(t: float, fn, *args, result: bool = False) -> float:
             """The coordinator handles one event at t and queues its deferred draft work as a "work" event,
             behind the events that arrived before it. Returns when the coordinator is free again."""
             nonlocal work_due
-            fn(*args)
-            dispatch(t)
+            actions, control, spent = call(fn, *args, result=result)
+            t += control + spent
+            dispatch(t, actions)
             if scheduler.has_work and not work_due:
                 work_due = True
                 push(t, "work", None)
@@ -136,12 +162,9 @@ class SimulatedPipeline:
             """One round of draft work from t; the next round queues behind what arrived meanwhile."""
             nonlocal work_due
             work_due = False
-            before = self._draft_counters(draft)
-            scheduler.work()
-            spent = self._draft_spent(before, self._draft_counters(draft))
-            self.draft_ms += spent
-            t += spent
-            dispatch(t)
+            actions, control, spent = call(scheduler.work)
+            t += control + spent
+            dispatch(t, actions)
             if scheduler.has_work:
                 work_due = True
                 push(t, "work", None)
@@ -186,7 +209,7 @@ class SimulatedPipeline:
                 if queues[i]:
                     start(i, t)
             elif kind == "result":
-                coord_free = handle(max(t, coord_free), scheduler.on_result, payload)
+                coord_free = handle(max(t, coord_free), scheduler.on_result, payload, result=True)
                 admit(coord_free)
             elif kind == "work":
                 coord_free = work(max(t, coord_free))
