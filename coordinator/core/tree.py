@@ -1,4 +1,4 @@
-"""The dynamic speculative token tree of one request (pure Python; docs/architecture.md, "The methods").
+"""The dynamic speculative token tree of one request (docs/architecture.md, "The methods").
 
 The tree hangs below the *root*, the last committed node. Every other node is a draft proposal: a token,
 its parent, its depth (= position in the sequence) and its cumulative draft log-probability `score` (sum of
@@ -19,6 +19,13 @@ the draft proposed that token but it was not injected, `reroot(child)` makes tha
 its expanded subtree (warm restart); else `restart(token)` commits the target's token as a fresh **bonus**
 node below the root and prunes everything else.
 
+Storage (the control plane's hot path, ~1 ms per pipeline step at width 32, topk 16): the live nodes are
+columns of numpy arrays (`NodeArrays`) kept in id order. Ids grow as nodes are made and a child is always
+made after its parent, so id order is also parents-before-children, the root (the oldest live node) is
+row 0, and an id is found by binary search. The draft's proposals arrive as arrays (`ProposalRows`, one row
+per expanded node) and are appended in one step; selection is a partial sort of scores, not a heap over
+Python objects. `tree.nodes[i]` is a view of one row for the cold paths and tests.
+
 Worked example (root r = node 0 at depth 4, width 2, layer policy):
 
     add_children(0, [(a, -0.1), (b, -1.0), (c, -2.0)])   # candidates 1:a 2:b 3:c at depth 5
@@ -30,35 +37,23 @@ Worked example (root r = node 0 at depth 4, width 2, layer policy):
 """
 from __future__ import annotations
 
-import heapq
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from coordinator.core.proposals import ProposalRows
+
 POLICIES = ("layer", "best-first", "hybrid")
-
-
-@dataclass
-class TreeNode:
-    id: int
-    parent: int
-    token: int
-    depth: int
-    score: float = 0.0                 # cumulative draft log-probability (for ranking)
-    injected: bool = False
-    committed: bool = False
-    expanded: bool = False             # the draft has proposed this node's children
-    target_next: int | None = None     # the target's token after this node (greedy or its seeded sample)
-    children: list[int] = field(default_factory=list)       # in the order the draft proposed them
-    q: torch.Tensor | None = None          # [vocab] draft's warped log-probs here (rejection verification)
-    target_p: torch.Tensor | None = None   # [vocab] target's warped log-probs here (rejection verification)
+NO_TOKEN = -1          # target_next not known yet; best_child: no child
 
 
 @dataclass
 class Pruned:
     """Nodes a commit or restart removed that were computed somewhere: `injected` (their rows are on the
-    stages) and `expanded` (their rows are in the draft). Iterating yields each such id once."""
+    stages) and `expanded` (their rows are in the draft), each in id order. Iterating yields each such id
+    once."""
     injected: list[int] = field(default_factory=list)
     expanded: list[int] = field(default_factory=list)
 
@@ -69,54 +64,284 @@ class Pruned:
         return len(set(self.injected) | set(self.expanded))
 
 
-class TokenTree:
-    def __init__(self, root_id: int, root_token: int, root_depth: int, new_id: Callable[[], int]) -> None:
-        self.new_id = new_id
-        self.nodes: dict[int, TreeNode] = {}
-        self.root = root_id
-        self.nodes[root_id] = TreeNode(root_id, -1, root_token, root_depth, injected=True, committed=True)
+class NodeArrays:
+    """One column per field, one row per live node, rows in id order (row 0 is the root). The columns are
+    views of buffers that grow by doubling, so adding nodes writes only the new rows."""
+    COLUMNS = {"id": np.int64,            # [n] node id
+               "parent": np.int64,        # [n] the parent's id (-1 above the root)
+               "token": np.int64,         # [n]
+               "depth": np.int64,         # [n] = the token's position in the sequence
+               "score": np.float64,       # [n] cumulative draft log-probability (for ranking)
+               "injected": np.bool_,      # [n]
+               "expanded": np.bool_,      # [n] the draft has proposed this node's children
+               "target_next": np.int64,   # [n] the target's token after this node (NO_TOKEN: not known yet)
+               "best_child": np.int64}    # [n] id of the best child by (score, -id) (NO_TOKEN: none)
+
+    def __init__(self, capacity: int = 256) -> None:
+        self._buf = {c: np.empty(capacity, t) for c, t in self.COLUMNS.items()}
+        self.n = 0
+        self._views()
+
+    def _views(self) -> None:
+        for c, b in self._buf.items():
+            setattr(self, c, b[:self.n])
+
+    def append(self, ids: np.ndarray, parents: np.ndarray, tokens: np.ndarray, depths: np.ndarray,
+               scores: np.ndarray) -> None:
+        """New nodes (ids above every live id), not injected, not expanded, with no target token or child."""
+        m, n = len(ids), self.n
+        if n + m > len(self._buf["id"]):
+            grow = max(2 * len(self._buf["id"]), n + m)
+            for c, b in self._buf.items():
+                self._buf[c] = np.empty(grow, b.dtype)
+                self._buf[c][:n] = b[:n]
+        for c, values in (("id", ids), ("parent", parents), ("token", tokens), ("depth", depths),
+                          ("score", scores), ("injected", False), ("expanded", False),
+                          ("target_next", NO_TOKEN), ("best_child", NO_TOKEN)):
+            self._buf[c][n:n + m] = values
+        self.n = n + m
+        self._views()
+
+    def keep(self, rows: np.ndarray) -> None:
+        """Keep only these rows (ascending), in place."""
+        k = len(rows)
+        for b in self._buf.values():
+            b[:k] = b[rows]
+        self.n = k
+        self._views()
+
+
+class NodeView:
+    """One node of a tree, read (and for `injected`, `expanded`, `target_next`, `q`, `target_p` written)
+    through to the arrays. For cold paths: the hot path works on whole columns."""
+
+    def __init__(self, tree: "TokenTree", node_id: int) -> None:
+        self._tree, self.id = tree, node_id
+
+    def _get(self, column: str):
+        return getattr(self._tree.a, column)[self._tree.row(self.id)].item()
+
+    def _set(self, column: str, value) -> None:
+        getattr(self._tree.a, column)[self._tree.row(self.id)] = value
+
+    parent = property(lambda self: self._get("parent"))
+    token = property(lambda self: self._get("token"))
+    depth = property(lambda self: self._get("depth"))
+    score = property(lambda self: self._get("score"))
+    injected = property(lambda self: self._get("injected"), lambda self, v: self._set("injected", bool(v)))
+    expanded = property(lambda self: self._get("expanded"), lambda self, v: self._set("expanded", bool(v)))
 
     @property
-    def root_node(self) -> TreeNode:
-        return self.nodes[self.root]
+    def committed(self) -> bool:
+        return self.id == self._tree.root
+
+    @property
+    def target_next(self) -> int | None:
+        t = self._get("target_next")
+        return None if t == NO_TOKEN else t
+
+    @target_next.setter
+    def target_next(self, token: int | None) -> None:
+        self._set("target_next", NO_TOKEN if token is None else token)
+
+    @property
+    def children(self) -> list[int]:
+        """Child ids in the order the draft proposed them."""
+        return self._tree.children(self.id)
+
+    @property
+    def q(self) -> torch.Tensor | None:          # [vocab] draft's warped log-probs here (rejection)
+        return self._tree.q.get(self.id)
+
+    @q.setter
+    def q(self, value: torch.Tensor | None) -> None:
+        self._tree.q[self.id] = value
+
+    @property
+    def target_p(self) -> torch.Tensor | None:   # [vocab] target's warped log-probs here (rejection)
+        return self._tree.target_p.get(self.id)
+
+    @target_p.setter
+    def target_p(self, value: torch.Tensor | None) -> None:
+        self._tree.target_p[self.id] = value
+
+    def __repr__(self) -> str:
+        return f"NodeView(id={self.id}, token={self.token}, depth={self.depth}, score={self.score:.3f})"
+
+
+class NodeTable:
+    """`tree.nodes`: a read-only mapping id -> NodeView over the live nodes."""
+
+    def __init__(self, tree: "TokenTree") -> None:
+        self._tree = tree
+
+    def __getitem__(self, node_id: int) -> NodeView:
+        if node_id not in self:
+            raise KeyError(node_id)
+        return NodeView(self._tree, node_id)
+
+    def get(self, node_id: int, default=None) -> NodeView | None:
+        return self[node_id] if node_id in self else default
+
+    def __contains__(self, node_id: object) -> bool:
+        return isinstance(node_id, (int, np.integer)) and self._tree.row(int(node_id), strict=False) >= 0
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._tree.a.id.tolist())
+
+    def __len__(self) -> int:
+        return len(self._tree.a.id)
+
+    def keys(self) -> list[int]:
+        return self._tree.a.id.tolist()
+
+    def values(self) -> list[NodeView]:
+        return [NodeView(self._tree, i) for i in self.keys()]
+
+    def items(self) -> list[tuple[int, NodeView]]:
+        return [(i, NodeView(self._tree, i)) for i in self.keys()]
+
+
+class TokenTree:
+    def __init__(self, root_id: int, root_token: int, root_depth: int, new_ids: Callable[[int], int]) -> None:
+        """`new_ids(n)` hands out n fresh consecutive node ids (the first is returned), larger than any
+        before: the request's id counter (RequestState.new_node)."""
+        self.new_ids = new_ids
+        self.root = root_id
+        self.a = NodeArrays()
+        self.a.append(np.array([root_id]), np.array([-1]), np.array([root_token]), np.array([root_depth]),
+                      np.zeros(1))
+        self.a.injected[0] = True
+        self.q: dict[int, torch.Tensor | None] = {}          # rejection verification only
+        self.target_p: dict[int, torch.Tensor | None] = {}
+
+    @property
+    def nodes(self) -> NodeTable:
+        return NodeTable(self)
+
+    @property
+    def root_node(self) -> NodeView:
+        return NodeView(self, self.root)
+
+    def row(self, node_id: int, strict: bool = True) -> int:
+        """The row of a live node (-1, or KeyError when strict, for an id that is not live)."""
+        ids = self.a.id
+        i = int(np.searchsorted(ids, node_id))
+        if i < len(ids) and ids[i] == node_id:
+            return i
+        if strict:
+            raise KeyError(node_id)
+        return -1
+
+    def rows(self, node_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of many ids: (rows, live mask); rows where the mask is False are meaningless."""
+        ids = self.a.id
+        rows = np.minimum(np.searchsorted(ids, node_ids), len(ids) - 1)
+        return rows, ids[rows] == node_ids
+
+    def children(self, node_id: int) -> list[int]:
+        return self.a.id[self.a.parent == node_id].tolist()
 
     # -- growth -------------------------------------------------------------------------------------
-    def add_children(self, parent_id: int, proposals: list[tuple[int, float]]) -> list[int]:
+    def add_children(self, parent_id: int, proposals: Sequence[tuple[int, float]]) -> list[int]:
         """Add the draft's proposals (token, log-prob) below a node; returns the new candidate ids."""
-        parent = self.nodes[parent_id]
-        parent.expanded = True
-        have = {self.nodes[c].token for c in parent.children}
-        ids = []
-        for token, logp in proposals:
-            if token in have:
-                continue
-            have.add(token)
-            node = TreeNode(self.new_id(), parent_id, token, parent.depth + 1, parent.score + logp)
-            self.nodes[node.id] = node
-            parent.children.append(node.id)
-            ids.append(node.id)
+        return self.add_children_many([parent_id], [list(proposals)]).tolist()
+
+    def add_children_many(self, parent_ids: Sequence[int] | np.ndarray,
+                          proposals: ProposalRows | Sequence[Sequence[tuple[int, float]]]) -> np.ndarray:
+        """Children for several nodes at once (row i of `proposals` below parent_ids[i], best first); a
+        token that is already a child of that node, or repeated in its row, is skipped (the first wins).
+        Ids are handed out row by row in proposal order. Marks every parent expanded; returns the new ids.
+
+            add_children_many([4, 5], ProposalRows.of([[(7, -0.1), (8, -1.0)], [(9, -0.2)]]))
+            -> [n, n+1, n+2]: 7 and 8 below 4, 9 below 5 (scores: parent's + log-prob)
+        """
+        rows = proposals if isinstance(proposals, ProposalRows) else ProposalRows.of(proposals)
+        parent_ids = np.asarray(parent_ids, np.int64)
+        if len(parent_ids) != rows.tokens.shape[0]:
+            raise ValueError(f"{len(parent_ids)} parents for {rows.tokens.shape[0]} rows of proposals")
+        prow, live = self.rows(parent_ids)
+        if not live.all():
+            raise KeyError(f"not in the tree: {parent_ids[~live].tolist()}")
+        valid = rows.valid()
+        fresh = not self.a.expanded[prow].any() and len(set(parent_ids.tolist())) == len(parent_ids)
+        if not fresh or rows.has_repeats():
+            valid = self._first_proposals(parent_ids, rows, valid)
+        self.a.expanded[prow] = True
+        total = int(valid.sum())
+        if total == 0:
+            return np.zeros(0, np.int64)
+        first = self.new_ids(total)
+        if first <= self.a.id[-1]:
+            raise ValueError(f"new node id {first} is not above every live id (last {int(self.a.id[-1])})")
+        ids = np.arange(first, first + total, dtype=np.int64)
+        scores = self.a.score[prow][:, None] + rows.logps                    # [m, k] cumulative
+        which = np.nonzero(valid)                                          # row-major: proposal order
+        self.a.append(ids, parent_ids[which[0]], rows.tokens[which], self.a.depth[prow][which[0]] + 1,
+                      scores[which])                     # rows of the old nodes do not move
+        # the best child of each parent: the first best score in its row (ids grow along a row)
+        ranked = np.where(valid, scores, -np.inf)
+        col = ranked.argmax(axis=1)
+        got = valid.any(axis=1)
+        cell_id = (np.cumsum(valid.ravel()) - 1 + first).reshape(valid.shape)
+        best = cell_id[np.arange(len(col)), col]
+        if fresh:
+            self.a.best_child[prow[got]] = best[got]
+        else:
+            for r, b, sc in zip(prow[got].tolist(), best[got].tolist(), ranked.max(axis=1)[got].tolist()):
+                self._offer_best(r, b, sc)
         return ids
 
-    def candidates(self, max_depth: int | None = None) -> list[TreeNode]:
+    def _offer_best(self, r: int, cand: int, score: float) -> None:
+        """Make `cand` the best child of row r if it beats the current one by (score, -id)."""
+        old = int(self.a.best_child[r])
+        if old != NO_TOKEN:
+            o = self.row(old)
+            if (self.a.score[o], -old) >= (score, -cand):
+                return
+        self.a.best_child[r] = cand
+
+    def _first_proposals(self, parent_ids: np.ndarray, rows: ProposalRows, valid: np.ndarray) -> np.ndarray:
+        """The cold path of add_children_many: drop tokens already below the parent (or earlier in the rows
+        of the same parent), by hand."""
+        have: dict[int, set[int]] = {}
+        out = valid.copy()
+        for i, pid in enumerate(parent_ids.tolist()):
+            seen = have.setdefault(pid, set(self.a.token[self.a.parent == pid].tolist()))
+            for j in np.flatnonzero(valid[i]).tolist():
+                tok = int(rows.tokens[i, j])
+                if tok in seen:
+                    out[i, j] = False
+                seen.add(tok)
+        return out
+
+    def candidates(self, max_depth: int | None = None) -> list[NodeView]:
         """Nodes not yet injected whose parent is injected (none while the root itself is not injected)."""
-        return [n for n in self.nodes.values() if not n.injected and n.id != self.root
-                and self.nodes[n.parent].injected and (max_depth is None or n.depth <= max_depth)]
+        return [NodeView(self, i) for i in self.a.id[self._candidate_mask(max_depth)].tolist()]
+
+    def _candidate_mask(self, max_depth: int | None) -> np.ndarray:
+        a = self.a
+        prow, _ = self.rows(a.parent)
+        mask = ~a.injected & a.injected[prow]
+        mask[0] = False
+        if max_depth is not None:
+            mask &= a.depth <= max_depth
+        return mask
 
     def select_layer(self, width: int, max_depth: int | None = None) -> list[int]:
         """The best `width` children of the deepest injected layer (the root counts as a layer)."""
-        deepest = max((n.depth for n in self.nodes.values() if n.injected), default=None)
-        if deepest is None:
+        a = self.a
+        if not a.injected.any():
             return []
-        pool = [n for n in self.candidates(max_depth) if n.depth == deepest + 1]
-        return self._take(pool, width)
+        deepest = int(a.depth[a.injected].max())
+        return self._take(self._candidate_mask(max_depth) & (a.depth == deepest + 1), width)
 
     def select_best_first(self, width: int, max_depth: int | None = None) -> list[int]:
-        return self._take(self.candidates(max_depth), width)
+        return self._take(self._candidate_mask(max_depth), width)
 
     def lead(self) -> int:
         """How many layers the injected tree reaches below the root."""
-        root = self.root_node.depth
-        return max((n.depth for n in self.nodes.values() if n.injected), default=root) - root
+        return int(self.a.depth[self.a.injected].max(initial=self.a.depth[0])) - int(self.a.depth[0])
 
     def select(self, policy: str, width: int, max_depth: int | None = None, horizon: int = 1) -> list[int]:
         """SpecPipe's growth per micro-batch: `layer` one layer (the paper's rule); `best-first` multi-layer
@@ -137,142 +362,188 @@ class TokenTree:
         first down to `spine_lead` layers below the root, so the tree always reaches the pipeline's horizon.
 
         Scores never increase along a path, so the result is the best `width` nodes of the subtree that hangs
-        below the injected part, connected to it. Worked example (root 0 injected, width 3):
+        below the injected part, connected to it: the best by (-score, depth, id) of all nodes not injected
+        (a node's parent always ranks before it). Worked example (root 0 injected, width 3):
 
             0 -> 1 (-0.1, expanded) -> 3 (-0.3)        select_best_first(3) -> [1, 2]     (3 not eligible)
               -> 2 (-0.5)                               select_ahead(3)      -> [1, 3, 2]  (3 rides with 1)
         """
-        chosen: list[TreeNode] = []
-        heap: list[tuple[float, int, int]] = []
-
-        def take(n: TreeNode) -> None:
-            n.injected = True
-            chosen.append(n)
-            for c in n.children:
-                child = self.nodes[c]
-                if not child.injected and (max_depth is None or child.depth <= max_depth):
-                    heapq.heappush(heap, (-child.score, child.depth, child.id))
-
-        root = self.root_node
-        if width > 0 and not root.injected:
-            take(root)
-        else:
-            for n in self.candidates(max_depth):
-                heapq.heappush(heap, (-n.score, n.depth, n.id))
+        a = self.a
+        chosen: list[int] = []
+        if width > 0 and not a.injected[0]:
+            a.injected[0] = True
+            chosen.append(0)
         if spine_lead > 0:
-            node = root
-            while len(chosen) < width and node.children and node.depth < root.depth + spine_lead:
-                node = max((self.nodes[c] for c in node.children), key=lambda n: (n.score, -n.id))
-                if max_depth is not None and node.depth > max_depth:
+            r, limit = 0, int(a.depth[0]) + spine_lead
+            while len(chosen) < width and a.best_child[r] != NO_TOKEN and a.depth[r] < limit:
+                r = self.row(int(a.best_child[r]))
+                if max_depth is not None and a.depth[r] > max_depth:
                     break
-                if not node.injected:
-                    take(node)
-        while heap and len(chosen) < width:
-            _, _, nid = heapq.heappop(heap)
-            if not self.nodes[nid].injected:
-                take(self.nodes[nid])
-        chosen.sort(key=lambda n: (n.depth, n.id))       # parents before children
-        return [n.id for n in chosen]
+                if not a.injected[r]:
+                    a.injected[r] = True
+                    chosen.append(r)
+        left = width - len(chosen)
+        if left > 0:
+            pool = ~a.injected if max_depth is None else ~a.injected & (a.depth <= max_depth)
+            best = self._best(np.flatnonzero(pool), left)
+            a.injected[best] = True
+            chosen += best.tolist()
+        return self._in_order(np.asarray(chosen, np.int64))
 
     def to_expand(self, count: int, max_depth: int | None = None, skip: frozenset[int] = frozenset(),
-                  spine_lead: int = 0, injected_only: bool = False) -> list[TreeNode]:
-        """The draft's next work (run-ahead): the `count` best nodes not yet expanded, injected or not, whose
-        children could still be used (depth below `max_depth`; tokens in `skip`, e.g. EOS, have none). With
-        `spine_lead` > 0 the tip of the spine comes first while it is fewer than `spine_lead` layers below the
-        root. `injected_only`: only nodes already injected (the one-layer rule). Every node's parent is
-        expanded (that is where it came from), so the draft can compute any of them."""
-        def usable(n: TreeNode) -> bool:
-            return not n.expanded and n.token not in skip and (max_depth is None or n.depth < max_depth) \
-                and (n.injected or not injected_only)
-        first: list[TreeNode] = []
+                  spine_lead: int = 0, injected_only: bool = False) -> np.ndarray:
+        """The draft's next work (run-ahead): ids of the `count` best nodes not yet expanded, injected or
+        not, whose children could still be used (depth below `max_depth`; tokens in `skip`, e.g. EOS, have
+        none), parents first. With `spine_lead` > 0 the tip of the spine comes first while it is fewer than
+        `spine_lead` layers below the root. `injected_only`: only nodes already injected (the one-layer
+        rule). Ranked by (-score, not injected, depth, id). Every node's parent is expanded (that is where
+        it came from), so the draft can compute any of them."""
+        a = self.a
+        usable = ~a.expanded
+        for token in skip:
+            usable &= a.token != token
+        if max_depth is not None:
+            usable &= a.depth < max_depth
+        if injected_only:
+            usable &= a.injected
+        first: list[int] = []
         tip = self._spine_tip(spine_lead)
-        if tip is not None and usable(tip):
+        if tip is not None and usable[tip]:
             first.append(tip)
-        pool = [n for n in self.nodes.values() if usable(n) and n is not tip]
-        pool.sort(key=lambda n: (-n.score, not n.injected, n.depth, n.id))
-        return sorted(first + pool[:max(0, count - len(first))], key=lambda n: (n.depth, n.id))
+            usable[tip] = False
+        rows = np.flatnonzero(usable)
+        best = self._best(rows, max(0, count - len(first)), injected_first=True)
+        return a.id[self._rows_in_order(np.concatenate((np.asarray(first, np.int64), best)))]
 
-    def _spine_tip(self, lead: int) -> TreeNode | None:
-        """The first unexpanded node on the chain of best children from the root, if within `lead` layers."""
-        node = self.root_node
-        while node.expanded and node.children:
-            node = max((self.nodes[c] for c in node.children), key=lambda n: (n.score, -n.id))
-        return node if node.depth - self.root_node.depth < lead and not node.expanded else None
+    def _spine_tip(self, lead: int) -> int | None:
+        """The row of the first unexpanded node on the chain of best children from the root, if within
+        `lead` layers."""
+        a = self.a
+        r = 0
+        while a.expanded[r] and a.best_child[r] != NO_TOKEN:
+            r = self.row(int(a.best_child[r]))
+        return r if a.depth[r] - a.depth[0] < lead and not a.expanded[r] else None
 
-    def _take(self, pool: list[TreeNode], width: int) -> list[int]:
-        pool.sort(key=lambda n: (-n.score, n.depth, n.id))
-        chosen = sorted(pool[:width], key=lambda n: (n.depth, n.id))   # parents before children
-        for n in chosen:
-            n.injected = True
-        return [n.id for n in chosen]
+    def _best(self, rows: np.ndarray, k: int, injected_first: bool = False) -> np.ndarray:
+        """The k best of `rows` by (-score, [not injected,] depth, id): a partial sort by score, then the
+        exact order among the survivors (ties at the k-th score included)."""
+        if k <= 0 or not len(rows):
+            return np.zeros(0, np.int64)
+        a = self.a
+        neg = -a.score[rows]
+        if len(rows) > k:
+            kth = np.partition(neg, k - 1)[k - 1]
+            keep = neg <= kth
+            rows, neg = rows[keep], neg[keep]
+        keys = (a.id[rows], a.depth[rows]) + ((~a.injected[rows],) if injected_first else ()) + (neg,)
+        return rows[np.lexsort(keys)[:k]]
+
+    def _rows_in_order(self, rows: np.ndarray) -> np.ndarray:
+        """Rows by (depth, id): parents before children."""
+        return rows[np.lexsort((self.a.id[rows], self.a.depth[rows]))]
+
+    def _in_order(self, rows: np.ndarray) -> list[int]:
+        return self.a.id[self._rows_in_order(rows)].tolist()
+
+    def _take(self, mask: np.ndarray, width: int) -> list[int]:
+        best = self._best(np.flatnonzero(mask), width)
+        self.a.injected[best] = True
+        return self._in_order(best)
 
     # -- verification -------------------------------------------------------------------------------
+    def set_target_next(self, node_ids: Sequence[int], tokens: Sequence[int]) -> None:
+        """The target's tokens after these nodes (a result's output rows); ids no longer live are skipped."""
+        if not len(node_ids):
+            return
+        rows, live = self.rows(np.asarray(node_ids, np.int64))
+        self.a.target_next[rows[live]] = np.asarray(tokens, np.int64)[live]
+
     def matching_child(self, node_id: int, token: int) -> int | None:
         """The injected child of node_id that carries `token`, if any."""
-        for c in self.nodes[node_id].children:
-            child = self.nodes[c]
-            if child.injected and child.token == token:
-                return c
-        return None
+        a = self.a
+        hit = np.flatnonzero((a.parent == node_id) & a.injected & (a.token == token))
+        return int(a.id[hit[0]]) if len(hit) else None
 
     def commit(self, child_id: int) -> Pruned:
         """Hit: the injected child becomes the root; its siblings' subtrees are pruned."""
-        child = self.nodes[child_id]
-        if child.parent != self.root:
+        if child_id not in self.nodes or self.nodes[child_id].parent != self.root:
             raise ValueError(f"node {child_id} is not a child of the root {self.root}")
-        return self._reroot(child)
+        return self._reroot(child_id)
 
     def reroot(self, child_id: int) -> Pruned:
         """Warm restart after a miss: the target's token is a child the draft proposed but that was not
         injected. It becomes the root (committed, to be injected) and keeps its already-expanded subtree."""
-        child = self.nodes[child_id]
-        if child.parent != self.root or child.injected:
+        if child_id not in self.nodes or self.nodes[child_id].parent != self.root or self.nodes[child_id].injected:
             raise ValueError(f"node {child_id} is not an uninjected child of the root {self.root}")
-        return self._reroot(child)
+        return self._reroot(child_id)
 
-    def _reroot(self, child: TreeNode) -> Pruned:
-        pruned = Pruned()
-        for sib in self.nodes[self.root].children:
-            if sib != child.id:
-                self._drop_subtree(sib, pruned)
-        del self.nodes[self.root]
-        child.parent, child.committed = -1, True
-        self.root = child.id
+    def _reroot(self, child_id: int) -> Pruned:
+        keep = self._subtree(self.row(child_id))
+        dropped = ~keep
+        dropped[0] = False                        # the old root leaves the tree committed, not pruned
+        pruned = self._pruned(dropped)
+        self.q.pop(self.root, None)
+        self.target_p.pop(self.root, None)
+        self.a.keep(np.flatnonzero(keep))
+        self.a.parent[0] = -1
+        self.root = child_id
+        return pruned
+
+    def _subtree(self, top: int) -> np.ndarray:
+        """Mask of the rows in the subtree below (and including) row `top`, one depth level at a time."""
+        a = self.a
+        keep = np.zeros(len(a.id), bool)
+        keep[top] = True
+        prow, _ = self.rows(a.parent)
+        below = np.flatnonzero(a.depth > a.depth[top])
+        below = below[np.argsort(a.depth[below], kind="stable")]
+        levels = np.split(below, np.flatnonzero(np.diff(a.depth[below])) + 1) if len(below) else []
+        for level in levels:
+            keep[level] = keep[prow[level]]
+        return keep
+
+    def _pruned(self, dropped: np.ndarray) -> Pruned:
+        a = self.a
+        pruned = Pruned(a.id[dropped & a.injected].tolist(), a.id[dropped & a.expanded].tolist())
+        if self.q or self.target_p:
+            for i in a.id[dropped].tolist():
+                self.q.pop(i, None)
+                self.target_p.pop(i, None)
         return pruned
 
     def restart(self, token: int) -> tuple[int, Pruned]:
         """Miss: commit `token` as a new bonus node below the root, pruning everything else.
         Returns (bonus id, what was pruned). The bonus still has to be expanded and injected."""
-        pruned = Pruned()
-        for c in self.nodes[self.root].children:
-            self._drop_subtree(c, pruned)
-        old = self.nodes.pop(self.root)
-        bonus = TreeNode(self.new_id(), -1, token, old.depth + 1, committed=True)
-        self.nodes = {bonus.id: bonus}
-        self.root = bonus.id
-        return bonus.id, pruned
-
-    def _drop_subtree(self, node_id: int, pruned: Pruned) -> None:
-        """Remove a subtree, noting the nodes computed somewhere: injected (stages) or expanded (draft).
-        Candidates that were only proposed never left the coordinator."""
-        stack = [node_id]
-        while stack:
-            n = self.nodes.pop(stack.pop())
-            if n.injected:
-                pruned.injected.append(n.id)
-            if n.expanded:
-                pruned.expanded.append(n.id)
-            stack.extend(n.children)
+        dropped = np.ones(len(self.a.id), bool)
+        dropped[0] = False
+        pruned = self._pruned(dropped)
+        bonus = self.new_ids(1)
+        depth = int(self.a.depth[0]) + 1
+        self.q.pop(self.root, None)
+        self.target_p.pop(self.root, None)
+        self.a.n = 0
+        self.a.append(np.array([bonus]), np.array([-1]), np.array([token]), np.array([depth]), np.zeros(1))
+        self.root = bonus
+        return bonus, pruned
 
     # -- queries ------------------------------------------------------------------------------------
     def path_tokens(self, node_id: int) -> list[int]:
         """Tokens from just below the root down to node_id (empty for the root)."""
         out = []
         while node_id != self.root:
-            n = self.nodes[node_id]
-            out.append(n.token)
-            node_id = n.parent
+            r = self.row(node_id)
+            out.append(int(self.a.token[r]))
+            node_id = int(self.a.parent[r])
         return out[::-1]
 
     def live_injected(self) -> list[int]:
-        return [n.id for n in self.nodes.values() if n.injected and not n.committed]
+        a = self.a
+        return a.id[1:][a.injected[1:]].tolist()
+
+    def segment_rows(self, node_ids: Sequence[int], root_parent: int) -> tuple[list[int], list[int], list[int]]:
+        """(parents, positions, tokens) of live nodes for a micro-batch or a draft call; the root's parent is
+        `root_parent` (the committed node before it)."""
+        rows, _ = self.rows(np.asarray(node_ids, np.int64))
+        parents = self.a.parent[rows]
+        parents = np.where(rows == 0, root_parent, parents)
+        return parents.tolist(), self.a.depth[rows].tolist(), self.a.token[rows].tolist()

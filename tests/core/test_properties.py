@@ -16,6 +16,7 @@ from coordinator.core.schedulers.base import Broadcast, Emit, Request, RequestSt
 from coordinator.core.schedulers.specpipe import SpecPipeScheduler
 from coordinator.core.tree import POLICIES, TokenTree
 from helpers.fuzz_harness import check_invariants
+from helpers.ids import id_counter
 from services.batch import MicroBatch, Segment, StageTrace
 from services.kv_cache import CacheGeometry, RequestKV
 from services.nodes import ProtocolError
@@ -151,8 +152,7 @@ def test_micro_batch_survives_the_wire_bit_exactly(batch_id, segs, hidden, logpr
 
 # -- the speculative tree under random growth, commit and restart -----------------------------------
 def make_tree(depth: int = 3) -> TokenTree:
-    counter = iter(range(1, 10_000))
-    return TokenTree(0, 9, depth, lambda: next(counter))
+    return TokenTree(0, 9, depth, id_counter(1))
 
 
 def descendants(tree: TokenTree, node_id: int) -> set[int]:

@@ -3,18 +3,16 @@
 Expected values are worked out by hand from the module's docstring contract."""
 from __future__ import annotations
 
-import itertools
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.core.tree import POLICIES, TokenTree
+from helpers.ids import id_counter
 
 
 def make_tree(root_id: int = 0, root_token: int = 50, root_depth: int = 0) -> TokenTree:
-    ids = itertools.count(root_id + 1)
-    return TokenTree(root_id, root_token, root_depth, lambda: next(ids))
+    return TokenTree(root_id, root_token, root_depth, id_counter(root_id + 1))
 
 
 def test_docstring_worked_example():
@@ -336,10 +334,10 @@ def test_to_expand_ranks_by_score_skips_eos_and_the_last_position() -> None:
     a, b, eos = t.add_children(0, [(10, -0.1), (11, -0.9), (2, -0.05)])
     (c,) = t.add_children(a, [(12, -0.3)])                          # -0.4, depth 2
     assert t.nodes[a].expanded and not t.nodes[b].expanded
-    assert [n.id for n in t.to_expand(1, skip=frozenset({2}))] == [c]      # -0.4 beats b's -0.9
-    assert [n.id for n in t.to_expand(2, skip=frozenset({2}))] == [b, c]   # returned parents first
-    assert eos in [n.id for n in t.to_expand(1)]                           # without skip, EOS is best
-    assert {n.id for n in t.to_expand(5, max_depth=2, skip=frozenset({2}))} == {b}   # c's children past the end
+    assert t.to_expand(1, skip=frozenset({2})).tolist() == [c]      # -0.4 beats b's -0.9
+    assert t.to_expand(2, skip=frozenset({2})).tolist() == [b, c]   # returned parents first
+    assert eos in t.to_expand(1).tolist()                           # without skip, EOS is best
+    assert set(t.to_expand(5, max_depth=2, skip=frozenset({2})).tolist()) == {b}   # c's children past the end
 
 
 def test_to_expand_puts_the_spine_tip_first_within_the_horizon() -> None:
@@ -348,10 +346,10 @@ def test_to_expand_puts_the_spine_tip_first_within_the_horizon() -> None:
     t.root_node.expanded = True
     a, b, e = t.add_children(0, [(10, -1.0), (11, -1.1), (12, -1.2)])
     (c,) = t.add_children(a, [(13, -1.0)])                          # spine tip c at -2.0
-    assert [n.id for n in t.to_expand(1)] == [b]                     # by score alone
-    assert [n.id for n in t.to_expand(1, spine_lead=4)] == [c]       # the spine first
-    assert [n.id for n in t.to_expand(1, spine_lead=2)] == [b]       # c is 2 layers down: past a lead of 2
-    assert [n.id for n in t.to_expand(2, spine_lead=4)] == [b, c]
+    assert t.to_expand(1).tolist() == [b]                     # by score alone
+    assert t.to_expand(1, spine_lead=4).tolist() == [c]       # the spine first
+    assert t.to_expand(1, spine_lead=2).tolist() == [b]       # c is 2 layers down: past a lead of 2
+    assert t.to_expand(2, spine_lead=4).tolist() == [b, c]
 
 
 def test_reroot_keeps_the_expanded_subtree_of_a_proposed_child() -> None:

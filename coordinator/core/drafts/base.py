@@ -28,6 +28,8 @@ import torch
 
 from services.sampling import GREEDY, Sampling
 
+from coordinator.core.proposals import ProposalRows
+
 
 @dataclass(frozen=True)
 class DraftNode:
@@ -37,7 +39,8 @@ class DraftNode:
     token: int
 
 
-Proposals = list[list[tuple[int, float]]]
+# per node, its children (token, log-prob) best first: a list of lists, or the same as arrays (ProposalRows)
+Proposals = ProposalRows | list[list[tuple[int, float]]]
 
 
 class DraftSource(ABC):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -19,6 +20,7 @@ from services.sampling import GREEDY, Sampling, gumbel, warp
 from services.runner import StageRunner
 
 from coordinator.core.drafts.base import DraftNode, DraftSource, Proposals
+from coordinator.core.proposals import ProposalRows
 
 
 class ModelDraft(DraftSource):
@@ -65,7 +67,8 @@ class ModelDraft(DraftSource):
 
     def expand_many(self, jobs: list[tuple[str, list[DraftNode]]], k: int,
                     extra: list[list[list[int]]] | None = None) -> list[Proposals | Exception]:
-        """One forward of the draft over the nodes of every request in `jobs`.
+        """One forward of the draft over the nodes of every request in `jobs`; each request's proposals as
+        ProposalRows (one row per node, in the order given; a row the draft dropped is empty).
 
         extra (optional, for CombinedDraft): per job, per node, more tokens to score from the same log-prob
         rows; each one not among the node's k children and inside the draft's support is appended after
@@ -77,9 +80,10 @@ class ModelDraft(DraftSource):
                             [n.position for n in nodes], [n.token for n in nodes], [True] * len(nodes))
                     for rid, nodes in jobs if nodes]
         if not segments:
-            return [[] for _ in jobs]
+            return [ProposalRows.of([[] for _ in nodes]) for _, nodes in jobs]
         out = self._step(segments, want=True)
-        by_request: dict[str, dict[int, list[tuple[int, float]]] | Exception] = {}
+        started = time.perf_counter()            # the top-k on the draft's device counts as its compute
+        by_request: dict[str, tuple[list[int], ProposalRows] | Exception] = {}
         row = 0
         for seg in out.segments:
             if seg.error:
@@ -87,41 +91,48 @@ class ModelDraft(DraftSource):
                 continue
             n = seg.rows                     # every kept row asked for output
             rows, row = out.logprobs[row:row + n], row + n
-            by_request[seg.request_id] = dict(zip(seg.node_ids,
-                                                  self._propose(seg, rows, k, wanted.get(seg.request_id))))
+            props, scores = self._propose(seg, rows, k)
+            if seg.request_id in wanted:
+                props = ProposalRows.of(self._append_extra(seg, scores, list(props), wanted[seg.request_id]))
+            by_request[seg.request_id] = (seg.node_ids, props)
+        self.compute_s += time.perf_counter() - started
         results: list[Proposals | Exception] = []
         for rid, nodes in jobs:
-            got = by_request.get(rid, {})
-            results.append(got if isinstance(got, Exception) else [got.get(n.node_id, []) for n in nodes])
+            got = by_request.get(rid, ([], ProposalRows.of([])))
+            if isinstance(got, Exception):
+                results.append(got)
+                continue
+            kept, props = got
+            asked = [n.node_id for n in nodes]
+            if kept != asked:                # rows the draft dropped (a pruned parent) propose nothing
+                at = {nid: i for i, nid in enumerate(kept)}
+                props = ProposalRows.of([props[at[nid]] if nid in at else [] for nid in asked])
+            results.append(props)
         return results
 
-    def _propose(self, seg: Segment, logprobs: torch.Tensor, k: int,
-                 extra: dict[int, list[int]] | None = None) -> Proposals:
+    def _propose(self, seg: Segment, logprobs: torch.Tensor, k: int) -> tuple[ProposalRows, torch.Tensor]:
         """Children of each row: the top k by log-prob when greedy; when sampling, the top k of the warped
-        log-probs plus noise (coupled with the target's for match, the draft's own for rejection). `extra`:
-        node -> tokens to append with their scores (see expand_many)."""
+        log-probs plus noise (coupled with the target's for match, the draft's own for rejection), scored by
+        the running minimum of their warped log-probs from the row's best (so scores never increase along
+        a row); a row ends where the noisy key is -inf (outside the warped support). Returns the rows and
+        the scores they were read from ([rows, vocab]: log-probs, or the warped ones when sampling)."""
         sampling, keep_q = self.sampling.get(seg.request_id, (GREEDY, False))
         k = min(k, logprobs.shape[-1])
         if sampling.greedy:
             top = logprobs.topk(k, dim=-1)
-            out = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
-            return self._append_extra(seg, logprobs, out, extra) if extra else out
+            return ProposalRows.full(top.indices.cpu().numpy(), top.values.double().cpu().numpy()), logprobs
         q = warp(logprobs, sampling)
         positions = [p + 1 for p in seg.positions]
         keys = q + gumbel(sampling.seed, positions, q.shape[-1], q.device, salt=1 if keep_q else 0)
         order = keys.topk(k, dim=-1)
-        out = []
-        for i, nid in enumerate(seg.node_ids):
-            if keep_q:
+        firsts = q.max(dim=-1, keepdim=True).values
+        scores = torch.cummin(torch.cat((firsts, q.gather(1, order.indices)[:, 1:]), dim=1), dim=1).values
+        counts = (order.values != float("-inf")).sum(dim=1)
+        if keep_q:
+            for i, nid in enumerate(seg.node_ids):
                 self._q[(seg.request_id, nid)] = q[i]
-            props, score, best = [], 0.0, float(q[i].max())
-            for j, (tok, key) in enumerate(zip(order.indices[i].tolist(), order.values[i].tolist())):
-                if key == float("-inf"):
-                    break                    # outside the warped support
-                score = best if j == 0 else min(score, float(q[i, tok]))
-                props.append((tok, score))
-            out.append(props)
-        return self._append_extra(seg, q, out, extra) if extra else out
+        return ProposalRows(order.indices.cpu().numpy().astype(np.int64), scores.double().cpu().numpy(),
+                            counts.cpu().numpy().astype(np.int64)), q
 
     @staticmethod
     def _append_extra(seg: Segment, scores: torch.Tensor, out: Proposals,

@@ -86,9 +86,10 @@ class RequestState:
         """Parent of the last committed node (-1 when it is a one-token prompt)."""
         return self.committed[-2] if len(self.committed) > 1 else -1
 
-    def new_node(self) -> int:
-        self.next_node += 1
-        return self.next_node - 1
+    def new_node(self, count: int = 1) -> int:
+        """`count` fresh consecutive node ids; returns the first."""
+        self.next_node += count
+        return self.next_node - count
 
     def count(self, name: str, n: float = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n

@@ -29,7 +29,8 @@ from services.sampling import uniform
 from coordinator.core.drafts.base import DraftNode, DraftSource
 from coordinator.core.schedulers.base import RequestState
 from coordinator.core.schedulers.batching import BatchingScheduler
-from coordinator.core.tree import POLICIES, TokenTree, TreeNode
+from coordinator.core.proposals import ProposalRows
+from coordinator.core.tree import POLICIES, TokenTree
 from coordinator.core.verify import VERIFIERS, verify_children
 
 
@@ -109,30 +110,25 @@ class SpecPipeScheduler(BatchingScheduler):
         root = tree.root_node
         if self.policy == "layer" and not root.injected:
             root.injected = True
-            chosen = [root]
+            chosen = [tree.root]
         else:
-            chosen = [tree.nodes[i] for i in tree.select(self.policy, min(self.width, share),
-                                                         self._max_depth(state, tree), horizon=self.num_stages)]
+            chosen = tree.select(self.policy, min(self.width, share), self._max_depth(state, tree),
+                                 horizon=self.num_stages)
         if not chosen:
             return None
-        parent = {tree.root: state.root_parent}
         state.count("nodes_injected", len(chosen))
         self.pending[rid] = self.rounds
-        return Segment(rid, [n.id for n in chosen], [parent.get(n.id, n.parent) for n in chosen],
-                       [n.depth for n in chosen], [n.token for n in chosen], [True] * len(chosen))
+        parents, positions, tokens = tree.segment_rows(chosen, state.root_parent)
+        return Segment(rid, chosen, parents, positions, tokens, [True] * len(chosen))
 
     def _on_segment(self, state: RequestState, seg: Segment, outputs: list[int], logprobs=None) -> None:
         tree = self.trees[state.request.request_id]
-        rejection = self._rejection(state)
-        i = 0
-        for node_id, want in zip(seg.node_ids, seg.want_output):
-            if want:
-                node = tree.nodes.get(node_id)
-                if node is not None:
-                    node.target_next = outputs[i]
-                    if rejection and logprobs is not None:
-                        node.target_p = logprobs[i]
-                i += 1
+        out_ids = [node_id for node_id, want in zip(seg.node_ids, seg.want_output) if want]
+        tree.set_target_next(out_ids, outputs)
+        if self._rejection(state) and logprobs is not None:
+            for i, node_id in enumerate(out_ids):
+                if node_id in tree.nodes:
+                    tree.target_p[node_id] = logprobs[i]
         committed = len(state.generated)
         misses = state.counters["misses"]
         if self._verify(state, tree) and len(state.generated) == committed and state.counters["misses"] == misses:
@@ -163,9 +159,9 @@ class SpecPipeScheduler(BatchingScheduler):
         """Commit as far as the known target tokens allow. Returns False when the request finished."""
         rid = state.request.request_id
         rejection = self._rejection(state)
-        while tree.root_node.target_next is not None and (tree.root_node.target_p is not None or not rejection):
-            child, token = self._decide(state, tree) if rejection else \
-                (tree.matching_child(tree.root, tree.root_node.target_next), tree.root_node.target_next)
+        while (target := tree.root_node.target_next) is not None and \
+                (not rejection or tree.target_p.get(tree.root) is not None):
+            child, token = self._decide(state, tree) if rejection else (tree.matching_child(tree.root, target), target)
             if child is not None:
                 state.count("hits")
                 pruned = tree.commit(child)
@@ -175,9 +171,9 @@ class SpecPipeScheduler(BatchingScheduler):
                 self.miss_batch[rid] = self._next_batch
                 root = tree.root_node
                 # (with rejection an injected child outside the verified prefix may carry the token: cold restart)
-                proposed = next((c for c in root.children if tree.nodes[c].token == token
-                                 and not tree.nodes[c].injected), None)
-                carried = proposed is not None or any(tree.nodes[c].token == token for c in root.children)
+                same = [c for c in root.children if tree.nodes[c].token == token]
+                proposed = next((c for c in same if not tree.nodes[c].injected), None)
+                carried = bool(same)
                 state.count("misses_proposed_not_injected" if carried else "misses_not_proposed")
                 if proposed is not None and self.policy != "layer":
                     state.count("warm_restarts")
@@ -250,23 +246,22 @@ class SpecPipeScheduler(BatchingScheduler):
                 nodes = tree.to_expand(len(tree.nodes), limit, state.request.eos_ids, injected_only=True)
             else:
                 nodes = tree.to_expand(width, limit, state.request.eos_ids, spine_lead=lead)
-            expand.append((rid, nodes))
+            expand.append((rid, nodes.tolist()))
         self._expand(expand)
         self._dispatch()
 
-    def _expand(self, jobs: list[tuple[str, list[TreeNode]]]) -> None:
-        """One draft call for the nodes of several requests; their proposals become children."""
+    def _expand(self, jobs: list[tuple[str, list[int]]]) -> None:
+        """One draft call for the nodes (ids) of several requests; their proposals become children."""
         jobs = [(rid, nodes) for rid, nodes in jobs if nodes]
         if not jobs:
             return
         draft_jobs, skip = [], []
         for rid, nodes in jobs:
             state, tree = self.requests[rid], self.trees[rid]
-            parent_of_root = state.root_parent
             unseen = self.unseen.pop(rid, [])
             skip.append(len(unseen))
-            draft_jobs.append((rid, unseen + [DraftNode(n.id, parent_of_root if n.id == tree.root else n.parent,
-                                                        n.depth, n.token) for n in nodes]))
+            parents, positions, tokens = tree.segment_rows(nodes, state.root_parent)
+            draft_jobs.append((rid, unseen + list(map(DraftNode, nodes, parents, positions, tokens))))
         results = self._timed([self.requests[rid] for rid, _ in jobs],
                               lambda: self.draft.expand_many(draft_jobs, self.topk),
                               weights=[len(nodes) for _, nodes in jobs])
@@ -274,11 +269,14 @@ class SpecPipeScheduler(BatchingScheduler):
             if isinstance(proposals, Exception):
                 self._draft_failed(self.requests[rid], proposals)
                 continue
-            keep_q = self._rejection(self.requests[rid])
-            for n, props in zip(nodes, proposals[extra:]):
-                self.trees[rid].add_children(n.id, props)
-                if keep_q:
-                    n.q = self.draft.take_q(rid, n.id)
+            tree = self.trees[rid]
+            if extra:
+                proposals = proposals.select(range(extra, len(proposals))) if isinstance(proposals, ProposalRows) \
+                    else proposals[extra:]
+            tree.add_children_many(nodes, proposals)
+            if self._rejection(self.requests[rid]):
+                for node_id in nodes:
+                    tree.q[node_id] = self.draft.take_q(rid, node_id)
 
     def _draft_failed(self, state: RequestState, error: Exception) -> None:
         self._finish(state, "error", error=f"draft failed: {error!r}", error_code=13)

@@ -73,7 +73,7 @@ class TripScheduler(SpecPipeScheduler):
                                                           self._rejection(state)))
         root = tree.root_node
         if not root.expanded:                  # may overlap the prompt's trip
-            self._expand([(rid, [root])])
+            self._expand([(rid, [tree.root])])
             if rid not in self.requests:
                 return                         # the draft failed the request
         if state.in_flight >= self.max_in_flight:
@@ -97,7 +97,7 @@ class TripScheduler(SpecPipeScheduler):
                 break
             grown += len(picked)
             chosen += picked
-            self._expand([(rid, [n for n in picked if n.token not in state.request.eos_ids])])
+            self._expand([(rid, [n.id for n in picked if n.token not in state.request.eos_ids])])
             if rid not in self.requests:
                 return
         if not chosen:
