@@ -74,6 +74,7 @@ class NodeArrays:
                "score": np.float64,       # [n] cumulative draft log-probability (for ranking)
                "injected": np.bool_,      # [n]
                "expanded": np.bool_,      # [n] the draft has proposed this node's children
+               "asked": np.bool_,         # [n] a draft job in flight computes this node's children
                "target_next": np.int64,   # [n] the target's token after this node (NO_TOKEN: not known yet)
                "best_child": np.int64}    # [n] id of the best child by (score, -id) (NO_TOKEN: none)
 
@@ -96,7 +97,7 @@ class NodeArrays:
                 self._buf[c] = np.empty(grow, b.dtype)
                 self._buf[c][:n] = b[:n]
         for c, values in (("id", ids), ("parent", parents), ("token", tokens), ("depth", depths),
-                          ("score", scores), ("injected", False), ("expanded", False),
+                          ("score", scores), ("injected", False), ("expanded", False), ("asked", False),
                           ("target_next", NO_TOKEN), ("best_child", NO_TOKEN)):
             self._buf[c][n:n + m] = values
         self.n = n + m
@@ -130,6 +131,7 @@ class NodeView:
     score = property(lambda self: self._get("score"))
     injected = property(lambda self: self._get("injected"), lambda self, v: self._set("injected", bool(v)))
     expanded = property(lambda self: self._get("expanded"), lambda self, v: self._set("expanded", bool(v)))
+    asked = property(lambda self: self._get("asked"))
 
     @property
     def committed(self) -> bool:
@@ -239,6 +241,16 @@ class TokenTree:
         rows = np.minimum(np.searchsorted(ids, node_ids), len(ids) - 1)
         return rows, ids[rows] == node_ids
 
+    def live(self, node_ids: Sequence[int]) -> np.ndarray:
+        """[len(node_ids)] bool: which ids are in the tree."""
+        return self.rows(np.asarray(node_ids, np.int64))[1] if len(node_ids) else np.zeros(0, bool)
+
+    def mark_asked(self, node_ids: Sequence[int]) -> None:
+        """A draft job will compute these nodes' children: the draft holds their rows from now on (a prune
+        names them), and `to_expand` does not offer them again."""
+        rows, live = self.rows(np.asarray(node_ids, np.int64))
+        self.a.asked[rows[live]] = True
+
     def children(self, node_id: int) -> list[int]:
         return self.a.id[self.a.parent == node_id].tolist()
 
@@ -264,10 +276,11 @@ class TokenTree:
         if not live.all():
             raise KeyError(f"not in the tree: {parent_ids[~live].tolist()}")
         valid = rows.valid()
-        fresh = not self.a.expanded[prow].any() and len(set(parent_ids.tolist())) == len(parent_ids)
+        fresh = (self.a.best_child[prow] == NO_TOKEN).all() and len(set(parent_ids.tolist())) == len(parent_ids)
         if not fresh or rows.has_repeats():
             valid = self._first_proposals(parent_ids, rows, valid)
         self.a.expanded[prow] = True
+        self.a.asked[prow] = False
         total = int(valid.sum())
         if total == 0:
             return np.zeros(0, np.int64)
@@ -399,7 +412,7 @@ class TokenTree:
         rule). Ranked by (-score, not injected, depth, id). Every node's parent is expanded (that is where
         it came from), so the draft can compute any of them."""
         a = self.a
-        usable = ~a.expanded
+        usable = ~a.expanded & ~a.asked
         for token in skip:
             usable &= a.token != token
         if max_depth is not None:
@@ -504,7 +517,7 @@ class TokenTree:
 
     def _pruned(self, dropped: np.ndarray) -> Pruned:
         a = self.a
-        pruned = Pruned(a.id[dropped & a.injected].tolist(), a.id[dropped & a.expanded].tolist())
+        pruned = Pruned(a.id[dropped & a.injected].tolist(), a.id[dropped & (a.expanded | a.asked)].tolist())
         if self.q or self.target_p:
             for i in a.id[dropped].tolist():
                 self.q.pop(i, None)

@@ -8,8 +8,10 @@ its parent and after its commit broadcast), one feeds results back, one watches 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -30,8 +32,10 @@ log = get_logger(__name__)
 
 
 class Engine:
-    """Ownership: the schedulers' state is touched only inside `_call` (under `_lock`, in a worker thread:
-    a scheduler may run the draft model); the loop owns the request table, the batches in flight and the
+    """Ownership: the schedulers' state is touched only inside `_call` (under `_lock`, in a worker thread);
+    the draft model only on the draft thread (`_draft_pool`, one thread for every scheduler: they share the
+    draft), where `specpipe`'s draft jobs run beside the scheduler calls (`_draft_rounds`) and the trip
+    baselines' `work` runs in line; the loop owns the request table, the batches in flight and the
     admission state (a queued request is known to the table only). `state` and `transport` change only in
     the lifecycle methods at the end."""
 
@@ -54,6 +58,8 @@ class Engine:
         self._pump_task: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
+        self._draft_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specpipe-draft")
+        self._drafting: set[Scheduler] = set()       # schedulers whose draft rounds are running
         # called (on the loop) with the error and the transport that failed; None: fail_all
         self.on_failure: Callable[[BaseException, Transport], None] | None = None
 
@@ -100,6 +106,7 @@ class Engine:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self._draft_pool.shutdown(wait=True)
 
     async def drained(self, poll_s: float = 0.05) -> None:
         """Wait until no admitted request runs (queued ones stay queued) and their actions (releases) went
@@ -180,13 +187,16 @@ class Engine:
         """The request no longer holds its admission; start the queued requests that fit now."""
         self._requests.start(self.admission.release(request_id))
 
-    async def _call(self, sched: Scheduler, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run `fn` on `sched` in a worker thread and queue the actions it produced. A retired scheduler
-        (see `suspend`) is not called any more: the result is None."""
+    async def _call(self, sched: Scheduler, fn: Callable[..., Any], *args: Any, on_draft: bool = False) -> Any:
+        """Run `fn` on `sched` in a worker thread (`on_draft`: on the draft thread, for calls that run the
+        draft in line) and queue the actions it produced. A retired scheduler (see `suspend`) is not called
+        any more: the result is None."""
         async with self._lock:
             if not self._current(sched):
                 return None
-            job = asyncio.ensure_future(asyncio.to_thread(timed, fn, *args, draft=getattr(sched, "draft", None)))
+            draft = getattr(sched, "draft", None) if on_draft else None     # its compute is not control time
+            job = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(
+                self._draft_pool if on_draft else None, functools.partial(timed, fn, *args, draft=draft)))
             try:
                 out, control_ms, _ = await asyncio.shield(job)
                 sched.charge_control(control_ms)     # the coordinator's own time, shared by the requests running
@@ -197,8 +207,31 @@ class Engine:
             finally:
                 for action in sched.poll():
                     self._work.put_nowait((sched, action))
-                if sched.has_work:       # deferred draft compute runs after the actions above are queued
-                    self._spawn(self._call(sched, sched.work))
+                if sched.has_work:       # deferred draft work runs after the actions above are queued
+                    self._spawn(self._draft_rounds(sched) if sched.drafts_beside else
+                                self._call(sched, sched.work, on_draft=True))
+
+    async def _draft_rounds(self, sched: Scheduler) -> None:
+        """`sched`'s draft jobs, one after another on the draft thread, while it has rounds due (one such loop
+        per scheduler). Only making a job and applying its results take the lock: results, commits and
+        injections go on while the draft computes (coordinator/core/drafts/job.py)."""
+        if sched in self._drafting:
+            return                      # the running loop asks for the next job itself
+        self._drafting.add(sched)
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                job = await self._call(sched, sched.draft_job)
+                if job is None:
+                    self._drafting.discard(sched)
+                    if not (sched.has_work and self._current(sched)):
+                        return          # (a call that queued work before the discard above saw us running)
+                    self._drafting.add(sched)
+                    continue
+                results = await loop.run_in_executor(self._draft_pool, job.run, sched.draft)
+                await self._call(sched, sched.draft_done, job, results)
+        finally:
+            self._drafting.discard(sched)
 
     def _current(self, sched: Scheduler) -> bool:
         return any(s is sched for s in self._schedulers.values())
@@ -344,6 +377,10 @@ class Engine:
                     live = self._requests.current(ended.request_id)
                     if live is not None:
                         live.carry(ended.stats)
+            loop = asyncio.get_running_loop()
+            for sched in retired:           # the draft lets go of their requests (the releases queued)
+                if sched.has_work:
+                    await loop.run_in_executor(self._draft_pool, sched.work)
             await self._work.join()          # Emit/Finish go to the clients; Inject/Broadcast become orphans
             orphans, self._orphans = self._orphans, set()
             return orphans | {live.wire_id for _, live in self._requests.items() if live.started}

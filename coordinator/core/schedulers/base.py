@@ -97,6 +97,9 @@ class RequestState:
 
 class Scheduler(ABC):
     name = "base"
+    # deferred draft work: False -> `work()` in line; True -> `draft_job()` hands out jobs that run beside the
+    # scheduler and come back through `draft_done(job, results)` (coordinator/core/drafts/job.py)
+    drafts_beside = False
 
     def __init__(self, num_stages: int) -> None:
         if num_stages < 1:

@@ -23,10 +23,13 @@ sampling, see coordinator/core/verify.py.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from services.batch import Segment
 from services.sampling import uniform
 
 from coordinator.core.drafts.base import DraftNode, DraftSource
+from coordinator.core.drafts.job import DraftJob, DraftOp, DraftResults, OpKind
 from coordinator.core.schedulers.base import RequestState
 from coordinator.core.schedulers.batching import BatchingScheduler
 from coordinator.core.proposals import ProposalRows
@@ -38,6 +41,7 @@ class SpecPipeScheduler(BatchingScheduler):
     name = "specpipe"
     overtakes = True             # a full pipeline is speculation: a new prompt's first chunk need not wait
     holds_finished_slot = True   # and the slot a finished request frees may wait a step for the next prompt
+    drafts_beside = True         # draft rounds are jobs that run beside the scheduler (draft_job, draft_done)
 
     def __init__(self, num_stages: int, draft: DraftSource, width: int = 32, policy: str = "hybrid",
                  topk: int = 16, node_budget: int = 32, verify: str = "match", rounds: int = 2,
@@ -59,6 +63,7 @@ class SpecPipeScheduler(BatchingScheduler):
         # the draft expanded it): they go in front of the request's next draft call, parents first
         self.unseen: dict[str, list[DraftNode]] = {}
         self.miss_batch: dict[str, int] = {}         # request -> first micro-batch id injected after its last miss
+        self.draft_ops: list[DraftOp] = []           # bookkeeping for the draft, sent ahead of its next job
 
     @property
     def kv_rows_per_batch(self) -> int:
@@ -74,11 +79,11 @@ class SpecPipeScheduler(BatchingScheduler):
         self.pending[rid] = self.rounds     # the draft prefills and expands the root in work()
 
     def _ready(self, state: RequestState) -> bool:
-        rid = state.request.request_id
-        root = self.trees[rid].root_node
+        """Room in the pipeline, and not a bonus whose children the draft has not proposed yet. The draft's
+        rounds do not hold the request up: the next growth takes what has been proposed so far."""
+        root = self.trees[state.request.request_id].root_node
         cold = self.policy != "layer" and not root.injected and not root.expanded   # a bonus waits for its children
-        # at least one draft round since the last injection (the next growth needs its proposals)
-        return self.pending.get(rid, 0) < self.rounds and not cold and state.in_flight < self.num_stages
+        return not cold and state.in_flight < self.num_stages
 
     def _share_beside_prompts(self) -> int:
         return 1          # speculation gives way for the one step a prompt travels with it
@@ -151,7 +156,7 @@ class SpecPipeScheduler(BatchingScheduler):
         self.miss_batch.pop(rid, None)
         if rid in self.begun:
             self.begun.discard(rid)
-            self.draft.release(rid)
+            self.draft_ops.append(DraftOp(OpKind.RELEASE, rid))
         super()._finish(state, reason, error, error_code)
 
     # -- verification -------------------------------------------------------------------------------
@@ -179,15 +184,15 @@ class SpecPipeScheduler(BatchingScheduler):
                     state.count("warm_restarts")
                     node, pruned = proposed, tree.reroot(proposed)
                 else:
-                    if not root.expanded:        # the bonus's parent must reach the draft before the bonus
+                    if not (root.expanded or root.asked):   # the bonus's parent reaches the draft before it
                         self.unseen.setdefault(rid, []).append(DraftNode(root.id, state.root_parent, root.depth,
                                                                          root.token))
                     node, pruned = tree.restart(token)
                 if self.policy != "layer" and not tree.root_node.expanded:
                     self.pending[rid] = self.rounds           # the draft expands the new root before it goes in
             if pruned.expanded:
-                self.draft.prune(rid, pruned.expanded)
-            self.draft.commit(rid, [node], [token])
+                self.draft_ops.append(DraftOp(OpKind.PRUNE, rid, tuple(pruned.expanded)))
+            self.draft_ops.append(DraftOp(OpKind.COMMIT, rid, (node,), (token,)))
             if not self._commit(state, [node], [token], prune=pruned.injected):
                 return False
             if child is None:
@@ -207,87 +212,100 @@ class SpecPipeScheduler(BatchingScheduler):
         j, token = verify_children(root.target_p, root.q, [tree.nodes[c].token for c in children], u)
         return (children[j] if j is not None else None), token
 
-    # -- growth -------------------------------------------------------------------------------------
+    # -- the draft, beside the coordinator (coordinator/core/drafts/job.py) ---------------------------
     @property
     def has_work(self) -> bool:
-        return bool(self.pending)
+        return bool(self.pending or self.draft_ops)
 
     def work(self) -> None:
-        """One round of draft compute, kept out of the event handlers so that injections leave first (called
-        while `has_work`, the actions sent after each call): the draft prefills new prompts, then
-        one batched call (all requests with rounds due) expands, per request, `layer`: the injected nodes not
-        yet expanded; else its best not-yet-expanded nodes (`TokenTree.to_expand`, as many as its width).
-        Then the next micro-batch goes in if the pipeline has room: a bonus that waited for its children
-        leaves after the first round."""
-        due = list(self.pending)
-        new = [self.requests[rid] for rid in due if rid in self.requests and rid not in self.begun]
-        if new:                               # one prefill call for every new prompt
-            jobs = [(s.request.request_id, s.request.prompt_ids, s.request.sampling, self._rejection(s)) for s in new]
-            errors = self._timed(new, lambda: self.draft.begin_many(jobs),
-                                 weights=[len(s.request.prompt_ids) for s in new])
-            for state, error in zip(new, errors):
-                if error is None:
-                    self.begun.add(state.request.request_id)
-                else:                         # a failing draft fails its request, not the scheduler
-                    self._draft_failed(state, error)
+        """One round of draft work in line (the in-process drivers; the engine and the simulated clock run
+        `draft_job` beside the coordinator instead)."""
+        job = self.draft_job()
+        if job is not None:
+            self.draft_done(job, job.run(self.draft))
+
+    def draft_job(self) -> DraftJob | None:
+        """The next round of draft work, or None when nothing is due: the queued bookkeeping; the prompts of
+        new requests to prefill; and for every request with rounds due, its best nodes not yet expanded
+        (`TokenTree.to_expand`, as many as its width; `layer`: the injected ones), now marked asked so no
+        later job takes them again and a prune names them."""
+        job = DraftJob(ops=self.draft_ops, topk=self.topk)
+        self.draft_ops = []
         width = min(self.width, self._share())
         lead = self.num_stages if self.policy == "hybrid" else 0
-        expand = []
-        for rid in due:
-            if rid not in self.requests:
-                self.pending.pop(rid, None)
+        for rid in list(self.pending):
+            state = self.requests.get(rid)
+            if state is None:
+                del self.pending[rid]
                 continue
             self.pending[rid] -= 1
             if self.pending[rid] <= 0:
                 del self.pending[rid]
-            state, tree = self.requests[rid], self.trees[rid]
+            if rid not in self.begun:             # the draft holds the request from this job on
+                self.begun.add(rid)
+                job.begin.append((rid, state.request.prompt_ids, state.request.sampling, self._rejection(state)))
+            tree = self.trees[rid]
             limit = self._max_depth(state, tree)
             if self.policy == "layer":
                 nodes = tree.to_expand(len(tree.nodes), limit, state.request.eos_ids, injected_only=True)
             else:
                 nodes = tree.to_expand(width, limit, state.request.eos_ids, spine_lead=lead)
-            expand.append((rid, nodes.tolist()))
-        self._expand(expand)
+            self._ask(job, rid, nodes.tolist())
+        return job if job.ops or job.begin or job.expand else None
+
+    def _ask(self, job: DraftJob, rid: str, nodes: list[int]) -> None:
+        """Add the expansion of these tree nodes to the job (behind the committed nodes the draft has not
+        computed yet, `unseen`)."""
+        if not nodes:
+            return
+        state, tree = self.requests[rid], self.trees[rid]
+        tree.mark_asked(nodes)
+        parents, positions, tokens = tree.segment_rows(nodes, state.root_parent)
+        job.expand.append((rid, self.unseen.pop(rid, []) + list(map(DraftNode, nodes, parents, positions, tokens))))
+        job.tree_nodes[rid] = nodes
+        if self._rejection(state):
+            job.keep_q.add(rid)
+
+    def draft_done(self, job: DraftJob, results: DraftResults) -> None:
+        """A job's results: failures end their requests; proposals become children (of the nodes still in
+        their tree: a result may have pruned some meanwhile); then the next micro-batch may go in."""
+        self._apply(job, results)
         self._dispatch()
 
-    def _expand(self, jobs: list[tuple[str, list[int]]]) -> None:
-        """One draft call for the nodes (ids) of several requests; their proposals become children."""
-        jobs = [(rid, nodes) for rid, nodes in jobs if nodes]
-        if not jobs:
-            return
-        draft_jobs, skip = [], []
-        for rid, nodes in jobs:
-            state, tree = self.requests[rid], self.trees[rid]
-            unseen = self.unseen.pop(rid, [])
-            skip.append(len(unseen))
-            parents, positions, tokens = tree.segment_rows(nodes, state.root_parent)
-            draft_jobs.append((rid, unseen + list(map(DraftNode, nodes, parents, positions, tokens))))
-        results = self._timed([self.requests[rid] for rid, _ in jobs],
-                              lambda: self.draft.expand_many(draft_jobs, self.topk),
-                              weights=[len(nodes) for _, nodes in jobs])
-        for (rid, nodes), proposals, extra in zip(jobs, results, skip):
-            if isinstance(proposals, Exception):
-                self._draft_failed(self.requests[rid], proposals)
+    def _apply(self, job: DraftJob, results: DraftResults) -> None:
+        weights = {rid: len(prompt) for rid, prompt, *_ in job.begin}
+        for rid, nodes in job.expand:
+            weights[rid] = weights.get(rid, 0) + len(nodes)
+        total = sum(weights.values())
+        for rid, w in weights.items():            # the draft's time, charged in proportion to its rows
+            if rid in self.requests and total:
+                self.requests[rid].count("draft_ms", results.compute_ms * w / total)
+        for rid, error in results.errors.items():
+            if rid in self.requests:              # a failing draft fails its request, not the scheduler
+                self._draft_failed(self.requests[rid], error)
+        for rid, nodes in job.tree_nodes.items():
+            if rid not in self.requests or rid not in results.proposals:
                 continue
-            tree = self.trees[rid]
-            if extra:
-                proposals = proposals.select(range(extra, len(proposals))) if isinstance(proposals, ProposalRows) \
-                    else proposals[extra:]
-            tree.add_children_many(nodes, proposals)
-            if self._rejection(self.requests[rid]):
-                for node_id in nodes:
-                    tree.q[node_id] = self.draft.take_q(rid, node_id)
+            tree, rows = self.trees[rid], results.proposals[rid]
+            first = len(rows) - len(nodes)        # the rows before are committed nodes (`unseen`)
+            live = np.flatnonzero(tree.live(nodes))
+            keep = [nodes[i] for i in live.tolist()]
+            rows = rows.select(live + first) if isinstance(rows, ProposalRows) else [rows[i + first] for i in live]
+            tree.add_children_many(keep, rows)
+            for node_id in keep if rid in results.q else ():
+                tree.q[node_id] = results.q[rid].get(node_id)
+
+    def _draft_now(self, job: DraftJob) -> None:
+        """Run a job in line, the queued bookkeeping first, and apply it (the trip baselines)."""
+        job.ops, self.draft_ops = self.draft_ops + job.ops, []
+        self._apply(job, job.run(self.draft))
+
+    def _expand(self, rid: str, nodes: list[int]) -> None:
+        """Expand these nodes of one request now (the trip baselines)."""
+        job = DraftJob(topk=self.topk)
+        self._ask(job, rid, nodes)
+        if job.expand:
+            self._draft_now(job)
 
     def _draft_failed(self, state: RequestState, error: Exception) -> None:
         self._finish(state, "error", error=f"draft failed: {error!r}", error_code=13)
-
-    def _timed(self, states: list[RequestState], fn, weights: list[int] | None = None):
-        """Run draft compute and charge its time to the requests (in proportion to `weights`)."""
-        before = self.draft.compute_s
-        result = fn()
-        spent = (self.draft.compute_s - before) * 1e3
-        weights = weights or [1] * len(states)
-        total = sum(weights)
-        for state, w in zip(states, weights):
-            state.count("draft_ms", spent * w / total)
-        return result

@@ -17,11 +17,13 @@ import math
 from services.batch import Segment
 
 from coordinator.core.drafts.base import DraftSource
+from coordinator.core.drafts.job import DraftJob
 from coordinator.core.schedulers.base import RequestState
 from coordinator.core.schedulers.specpipe import SpecPipeScheduler
 
 
 class TripScheduler(SpecPipeScheduler):
+    drafts_beside = False        # a speculation is grown with the draft in line (`work`)
     def __init__(self, num_stages: int, draft: DraftSource, budget: int, rounds: int, per_round: int,
                  policy: str, max_in_flight: int = 1, bonus_alone: bool = False, min_prob: float = 0.0,
                  verify: str = "match") -> None:
@@ -56,6 +58,9 @@ class TripScheduler(SpecPipeScheduler):
             self.pending[rid] = 1                 # the speculation is grown in work(), off the event path
 
     def work(self) -> None:
+        """Grow each due request's speculation in line, the draft's queued bookkeeping first."""
+        if self.draft_ops:
+            self._draft_now(DraftJob())
         for rid in list(self.pending):
             try:
                 self._work_one(rid)
@@ -69,11 +74,13 @@ class TripScheduler(SpecPipeScheduler):
         state, tree = self.requests[rid], self.trees[rid]
         if rid not in self.begun:
             self.begun.add(rid)
-            self._timed([state], lambda: self.draft.begin(rid, state.request.prompt_ids, state.request.sampling,
-                                                          self._rejection(state)))
+            self._draft_now(DraftJob(begin=[(rid, state.request.prompt_ids, state.request.sampling,
+                                             self._rejection(state))]))
+            if rid not in self.requests:
+                return                         # the draft failed the request
         root = tree.root_node
         if not root.expanded:                  # may overlap the prompt's trip
-            self._expand([(rid, [tree.root])])
+            self._expand(rid, [tree.root])
             if rid not in self.requests:
                 return                         # the draft failed the request
         if state.in_flight >= self.max_in_flight:
@@ -97,7 +104,7 @@ class TripScheduler(SpecPipeScheduler):
                 break
             grown += len(picked)
             chosen += picked
-            self._expand([(rid, [n.id for n in picked if n.token not in state.request.eos_ids])])
+            self._expand(rid, [n.id for n in picked if n.token not in state.request.eos_ids])
             if rid not in self.requests:
                 return
         if not chosen:

@@ -135,34 +135,62 @@ class SimulatedPipeline:
 
         work_due = False            # a "work" event is queued
 
-        def call(fn, *args, result: bool = False) -> tuple[list, float, float]:
-            """fn(*args) and poll, timed: (actions, control ms charged, draft ms charged)."""
+        concurrent = getattr(scheduler, "drafts_beside", False)   # the draft runs beside the coordinator
+        draft_free = 0.0                               # when the draft (its own resource) is idle again
+        drafting = False                               # a job is on the draft
+
+        def call(fn, *args, result: bool = False) -> tuple[object, list, float, float]:
+            """fn(*args) and poll, timed: (fn's result, actions, control ms charged, draft ms charged)."""
             before = self._draft_counters(draft)
-            (_, actions), control, _ = timed(lambda: (fn(*args), scheduler.poll()), draft=draft)
+            (out, actions), control, _ = timed(lambda: (fn(*args), scheduler.poll()), draft=draft)
             spent = self._draft_spent(before, self._draft_counters(draft))
             control *= self.control_scale
             self.steps.add(control, spent, result=result)
             self.control_ms += control
             self.draft_ms += spent
-            return actions, control, spent
+            return out, actions, control, spent
 
         def handle(t: float, fn, *args, result: bool = False) -> float:
-            """The coordinator handles one event at t and queues its deferred draft work as a "work" event,
-            behind the events that arrived before it. Returns when the coordinator is free again."""
+            """The coordinator handles one event at t; then the draft's next round starts (beside it), or is
+            queued as a "work" event behind the events that arrived before it (in line, the trip
+            baselines). Returns when the coordinator is free again."""
             nonlocal work_due
-            actions, control, spent = call(fn, *args, result=result)
+            _, actions, control, spent = call(fn, *args, result=result)
             t += control + spent
             dispatch(t, actions)
+            if concurrent:
+                return start_draft(t)
             if scheduler.has_work and not work_due:
                 work_due = True
                 push(t, "work", None)
+            return t
+
+        def start_draft(t: float) -> float:
+            """If the draft is idle and a round is due, the coordinator makes the job (its control time), the
+            draft computes it now and its results come back when the draft-time model says. Returns when the
+            coordinator is free again."""
+            nonlocal draft_free, drafting
+            if drafting or not scheduler.has_work:
+                return t
+            job, actions, control, _ = call(scheduler.draft_job)
+            t += control
+            dispatch(t, actions)
+            if job is None:
+                return t
+            before = self._draft_counters(draft)
+            results = job.run(draft)
+            spent = self._draft_spent(before, self._draft_counters(draft))
+            self.steps.add(0.0, spent)
+            self.draft_ms += spent
+            drafting, draft_free = True, max(t, draft_free) + spent
+            push(draft_free, "drafted", (job, results))
             return t
 
         def work(t: float) -> float:
             """One round of draft work from t; the next round queues behind what arrived meanwhile."""
             nonlocal work_due
             work_due = False
-            actions, control, spent = call(scheduler.work)
+            _, actions, control, spent = call(scheduler.work)
             t += control + spent
             dispatch(t, actions)
             if scheduler.has_work:
@@ -213,6 +241,10 @@ class SimulatedPipeline:
                 admit(coord_free)
             elif kind == "work":
                 coord_free = work(max(t, coord_free))
+                admit(coord_free)
+            elif kind == "drafted":
+                drafting = False
+                coord_free = handle(max(t, coord_free), scheduler.draft_done, *payload)
                 admit(coord_free)
             elif kind == "submit":
                 out[payload.request_id].start_ms = t

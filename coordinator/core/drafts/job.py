@@ -1,0 +1,105 @@
+"""One round of draft work as data, so the draft can run beside the coordinator (its own thread; on the
+simulated clock its own resource) instead of in line with it.
+
+A scheduler never calls the draft while it handles an event. It queues the draft's bookkeeping (`commit`,
+`prune`, `release`: the tree's commits and prunes mirrored into the draft's KV) and, when a round is due,
+hands out a `DraftJob`: that bookkeeping, in order, then the prompts to prefill and the nodes to expand.
+Whoever owns the draft runs `job.run(draft)` — one job at a time, in the order they were made — and gives
+the `DraftResults` back to the scheduler (`SpecPipeScheduler.draft_done`). Meanwhile results may come
+back, commit and prune: what they prune is queued behind the job, and the job's proposals for nodes no
+longer in a tree are dropped when they are applied.
+
+    job = sched.draft_job()          # under the scheduler's lock: cheap, pure
+    results = job.run(sched.draft)   # on the draft's thread: the model's forward and top-k
+    sched.draft_done(job, results)   # under the lock: proposals become children, the next batch may go in
+
+A failure stays with the requests it touches: an exception from a request's bookkeeping, prefill or
+expansion becomes that request's error; one from a whole model call, the error of every request in it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from services.sampling import Sampling
+
+from coordinator.core.drafts.base import DraftNode, DraftSource, Proposals
+
+
+class OpKind(str, Enum):
+    COMMIT = "commit"      # node ids, tokens
+    PRUNE = "prune"        # node ids (and their subtrees)
+    RELEASE = "release"    # forget the request
+
+
+@dataclass(frozen=True)
+class DraftOp:
+    """Bookkeeping mirrored into the draft."""
+    kind: OpKind
+    request_id: str
+    node_ids: tuple[int, ...] = ()
+    tokens: tuple[int, ...] = ()
+
+
+@dataclass
+class DraftJob:
+    ops: list[DraftOp] = field(default_factory=list)
+    begin: list[tuple[str, list[int], Sampling, bool]] = field(default_factory=list)  # (rid, prompt, sampling, q)
+    expand: list[tuple[str, list[DraftNode]]] = field(default_factory=list)
+    topk: int = 1
+    keep_q: set[str] = field(default_factory=set)     # requests whose expanded nodes' q is taken (rejection)
+    tree_nodes: dict[str, list[int]] = field(default_factory=dict)   # request -> the tree nodes expanded: the
+    # last rows of its expansion (the rows before are committed nodes the draft had not computed)
+
+    @property
+    def requests(self) -> set[str]:
+        return {rid for rid, *_ in self.begin} | {rid for rid, _ in self.expand}
+
+    def run(self, draft: DraftSource) -> "DraftResults":
+        """Apply the bookkeeping, prefill, expand; never raises (failures are per request)."""
+        out = DraftResults()
+        before = draft.compute_s
+        for op in self.ops:
+            if op.request_id in out.errors:
+                continue
+            try:
+                if op.kind is OpKind.COMMIT:
+                    draft.commit(op.request_id, list(op.node_ids), list(op.tokens))
+                elif op.kind is OpKind.PRUNE:
+                    draft.prune(op.request_id, list(op.node_ids))
+                else:
+                    draft.release(op.request_id)
+            except Exception as e:           # a request's bookkeeping failing is that request's failure
+                out.errors[op.request_id] = e
+        if self.begin:
+            begin = [b for b in self.begin if b[0] not in out.errors]
+            try:
+                errors = draft.begin_many(begin)
+            except Exception as e:           # the call failed as a whole: every request in it
+                errors = [e] * len(begin)
+            out.errors.update({rid: e for (rid, *_), e in zip(begin, errors) if e is not None})
+        expand = [(rid, nodes) for rid, nodes in self.expand if rid not in out.errors]
+        if expand:
+            try:
+                results: list[Proposals | Exception] = draft.expand_many(expand, self.topk)
+            except Exception as e:
+                results = [e] * len(expand)
+            for (rid, nodes), got in zip(expand, results):
+                if isinstance(got, Exception):
+                    out.errors[rid] = got
+                    continue
+                out.proposals[rid] = got
+                if rid in self.keep_q:
+                    out.q[rid] = {n.node_id: draft.take_q(rid, n.node_id) for n in nodes}
+        out.compute_ms = (draft.compute_s - before) * 1e3
+        return out
+
+
+@dataclass
+class DraftResults:
+    proposals: dict[str, Proposals] = field(default_factory=dict)     # request -> one row per expanded node
+    q: dict[str, dict[int, torch.Tensor | None]] = field(default_factory=dict)
+    errors: dict[str, Exception] = field(default_factory=dict)
+    compute_ms: float = 0.0
