@@ -161,6 +161,50 @@ def test_a_result_is_handled_between_draft_rounds():
     assert sched.worked_at_result == 1
 
 
+class DraftBeside:
+    """A scheduler whose draft runs beside it (drafts_beside): on add one micro-batch leaves and a draft job of
+    one model call is due; the micro-batch's result emits the token and finishes the request."""
+    drafts_beside = True
+
+    def __init__(self, draft: FakeDraft) -> None:
+        self.draft, self.actions, self.has_work, self.drafted_at_result = draft, [], False, None
+
+    def add(self, request: Request) -> None:
+        self.rid = request.request_id
+        self.actions.append(Inject(SimpleNamespace(batch_id=0)))
+        self.has_work = True
+
+    def draft_job(self):
+        self.has_work = False
+
+        def run(draft):
+            draft.calls += 1
+            return "proposals"
+        return SimpleNamespace(run=run)
+
+    def draft_done(self, job, results) -> None:
+        self.done = results
+
+    def on_result(self, result) -> None:
+        self.drafted_at_result = hasattr(self, "done")
+        self.actions += [Emit(self.rid, [7]), Finish(self.rid, "length", {"steps": 1})]
+
+    def poll(self) -> list:
+        out, self.actions = self.actions, []
+        return out
+
+
+def test_the_draft_runs_beside_the_coordinator():
+    """A 100 ms draft job starts with the micro-batch (10 ms stage); the result is handled when it comes back
+    at 10 ms, not after the job (as in line: test_a_result_is_handled_between_draft_rounds)."""
+    draft = FakeDraft()
+    sched = DraftBeside(draft)
+    pipe = SimulatedPipeline([EchoRunner()], (10.0, 0.0), num_stages=1, hop_ms=0.0, draft_time=(100.0, 0.0))
+    out = pipe.run(sched, [Request("a", [1], 1)], draft=draft)
+    assert out["a"].token_times == [pytest.approx(10.0)] and sched.drafted_at_result is False
+    assert draft.calls == 1 and pipe.draft_ms == pytest.approx(100.0)
+
+
 class SlowChain:
     """pp-like, one request of `n` tokens, one micro-batch at a time; each result costs the coordinator
     `own_s` of its own time and `draft_s` of draft compute (counted in the draft's `compute_s`)."""

@@ -154,9 +154,8 @@ class SpecPipeScheduler(BatchingScheduler):
         self.pending.pop(rid, None)
         self.unseen.pop(rid, None)
         self.miss_batch.pop(rid, None)
-        if rid in self.begun:
-            self.begun.discard(rid)
-            self.draft_ops.append(DraftOp(OpKind.RELEASE, rid))
+        self.begun.discard(rid)           # the draft may hold it (begun) or have had a commit for it: release
+        self.draft_ops.append(DraftOp(OpKind.RELEASE, rid))
         super()._finish(state, reason, error, error_code)
 
     # -- verification -------------------------------------------------------------------------------

@@ -1,0 +1,203 @@
+"""specpipe's draft beside the coordinator (coordinator/core/drafts/job.py): a draft job is made, the draft
+computes it while results come back, commit, prune, cancel and inject, then its results are applied.
+
+Whatever the order of those events, every request's output is transformers' greedy output (or plain
+seeded sampling), and once all have ended no stage, no draft and no scheduler table holds anything."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from coordinator.core.drafts.job import DraftJob, DraftResults
+from coordinator.core.drafts.model import ModelDraft, quantized_copy
+from coordinator.core.schedulers.base import Broadcast, Emit, Finish, Inject, Request
+from coordinator.core.schedulers.specpipe import SpecPipeScheduler
+from helpers.drafts import AlwaysWrong, always_right
+from helpers.leftovers import assert_nothing_left
+from helpers.reference import hf_greedy, prompts, reference_sample
+from helpers.shard import make_runners, through
+from services.sampling import Sampling
+
+IDS = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def parts(tiny_model):
+    drafts = {"quant": ModelDraft(quantized_copy(str(tiny_model)), name="quant"), "right": always_right(tiny_model),
+              "wrong": AlwaysWrong(tiny_model)}
+    return drafts, make_runners(tiny_model, 2)
+
+
+class Driver:
+    """The scheduler's events in an order the test chooses: results return oldest first (the pipeline keeps
+    order), at most one draft job is out at a time (the engine's draft thread), cancels at any point."""
+
+    def __init__(self, sched: SpecPipeScheduler, runners) -> None:
+        self.sched, self.runners = sched, runners
+        self.results: list = []
+        self.job: tuple[DraftJob, DraftResults] | None = None
+        self.tokens: dict[str, list[int]] = {}
+        self.finished: dict[str, Finish] = {}
+
+    def drain(self) -> None:
+        for action in self.sched.poll():
+            if isinstance(action, Broadcast):
+                for r in self.runners:
+                    r.apply(action.control)
+            elif isinstance(action, Inject):
+                self.results.append(through(self.runners, action.batch))
+            elif isinstance(action, Emit):
+                self.tokens.setdefault(action.request_id, []).extend(action.token_ids)
+            elif isinstance(action, Finish):
+                self.finished[action.request_id] = action
+
+    def choices(self) -> list[str]:
+        out = ["result"] if self.results else []
+        if self.job is not None:
+            out.append("job done")
+        elif self.sched.has_work:
+            out.append("job start")
+        return out
+
+    def step(self, choice: str) -> None:
+        if choice == "result":
+            self.sched.on_result(self.results.pop(0))
+        elif choice == "job start":
+            job = self.sched.draft_job()
+            if job is not None:                   # computed now: the draft sees only what the job carries
+                self.job = (job, job.run(self.sched.draft))
+        else:
+            job, results = self.job
+            self.job = None
+            self.sched.draft_done(job, results)
+        self.drain()
+
+
+FUZZ = settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow,
+                                                                       HealthCheck.function_scoped_fixture])
+
+
+@FUZZ
+@given(draft=st.sampled_from(["quant", "right", "wrong"]), policy=st.sampled_from(["hybrid", "best-first", "layer"]),
+       width=st.integers(1, 6), sampled=st.booleans(), data=st.data())
+def test_any_order_of_draft_jobs_results_and_cancels_is_exact(parts, tiny_hf, draft, policy, width, sampled, data):
+    drafts, runners = parts
+    sched = SpecPipeScheduler(2, drafts[draft], width=width, policy=policy, topk=3, node_budget=8, rounds=2)
+    d = Driver(sched, runners)
+    k = next(IDS)
+    ps = prompts(3, seed=data.draw(st.integers(0, 6)))
+    sampling = Sampling(temperature=0.8, seed=11) if sampled else Sampling()
+    reqs = [Request(f"b{k}-{i}", p, 8, sampling=sampling if i == 1 else Sampling()) for i, p in enumerate(ps)]
+    cancel_at = data.draw(st.integers(0, 60))                 # request 2 is cancelled after this many events
+    try:
+        run(sched, d, reqs, cancel_at, data)
+        for r in reqs:
+            fin = d.finished[r.request_id]
+            if fin.reason == "cancelled":
+                continue
+            assert fin.reason == "length", fin.error
+            want = reference_sample(tiny_hf, r.prompt_ids, 8, r.sampling) if not r.sampling.greedy else \
+                hf_greedy(tiny_hf, r.prompt_ids, 8)
+            assert d.tokens[r.request_id] == want, (r.request_id, draft, policy)
+        assert_nothing_left(sched, runners, drafts[draft])
+        assert not sched.draft_ops and not sched.unseen
+    finally:                                                  # a failed example leaves nothing to the next
+        for r in reqs:
+            for runner in runners + [drafts[draft].runner]:
+                runner.cache.release(r.request_id)
+
+
+def run(sched: SpecPipeScheduler, d: Driver, reqs: list[Request], cancel_at: int, data) -> None:
+    """Requests 0 and 1 at once, 2 after three events (cancelled after `cancel_at`), then events in the
+    order `data` draws until all have ended and the draft's last bookkeeping (the releases) is done."""
+    sched.add(reqs[0])
+    sched.add(reqs[1])
+    d.drain()
+    events = 0
+    while len(d.finished) < len(reqs):
+        if events == 3:
+            sched.add(reqs[2])
+            d.drain()
+        if events == cancel_at and reqs[2].request_id in sched.requests:
+            sched.cancel(reqs[2].request_id)
+            d.drain()
+        choices = d.choices()
+        assert choices, "the scheduler stalled: nothing in flight, no draft work"
+        d.step(data.draw(st.sampled_from(choices)))
+        events += 1
+    while d.choices():
+        d.step(d.choices()[0])
+
+
+def test_a_prune_while_a_job_computes_drops_its_proposals_and_frees_its_rows(parts, tiny_hf):
+    """By hand: a job asks the draft for the children of nodes that a result prunes before the job comes
+    back. Their proposals are not added, the prune reached the draft behind the job (so the rows it computed
+    are freed), and the output stays exact."""
+    drafts, runners = parts
+    draft = drafts["wrong"]                   # every proposal misses: each result prunes what was proposed
+    sched = SpecPipeScheduler(2, draft, width=2, policy="best-first", topk=2, rounds=1)
+    d = Driver(sched, runners)
+    prompt = prompts(1, seed=3)[0]
+    sched.add(Request("p", prompt, 6))
+    d.drain()
+    d.step("job start")                       # prefill + the root's children
+    d.step("job done")
+    d.step("job start")                       # the next round: children of the injected candidates
+    asked = [n for rid, nodes in d.job[0].expand for n in (x.node_id for x in nodes)]
+    assert asked, "the job expands nodes"
+    while d.results:                          # results come back meanwhile: misses prune the asked nodes
+        d.step("result")
+    tree = sched.trees.get("p")
+    gone = [n for n in asked if tree is None or n not in tree.nodes]
+    assert gone, "a result pruned nodes of the job in flight"
+    prune_ops = [op for op in sched.draft_ops if op.kind.value == "prune"]
+    assert any(set(op.node_ids) & set(gone) for op in prune_ops), "the prune names the asked nodes"
+    d.step("job done")                        # their proposals are dropped
+    if tree is not None:
+        assert all(n not in tree.nodes for n in gone)
+    while len(d.finished) < 1:
+        d.step(d.choices()[0])
+    while d.choices():
+        d.step(d.choices()[0])
+    assert d.tokens["p"] == hf_greedy(tiny_hf, prompt, 6)
+    assert_nothing_left(sched, runners, draft)
+
+
+class FailingDraft(ModelDraft):
+    """A draft whose whole model call fails on the n-th expansion (e.g. out of memory)."""
+
+    def __init__(self, model_path, fail_at: int) -> None:
+        from services.model.shard import load_causal_lm
+        import torch
+        super().__init__(load_causal_lm(str(model_path), torch.float32, "cpu"), name="failing")
+        self.fail_at, self.calls_seen = fail_at, 0
+
+    def expand_many(self, jobs, k, extra=None):
+        self.calls_seen += 1
+        if self.calls_seen == self.fail_at:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return super().expand_many(jobs, k, extra)
+
+
+def test_a_draft_call_failing_as_a_whole_fails_its_requests_and_leaves_nothing(tiny_model, tiny_hf):
+    runners = make_runners(tiny_model, 2)
+    draft = FailingDraft(tiny_model, fail_at=3)
+    sched = SpecPipeScheduler(2, draft, width=3, policy="hybrid", topk=2, rounds=2)
+    d = Driver(sched, runners)
+    ps = prompts(2, seed=5)
+    for i, p in enumerate(ps):
+        sched.add(Request(f"f{i}", p, 10))
+    d.drain()
+    while len(d.finished) < 2:
+        d.step(d.choices()[-1])               # draft work first: the third call fails while both run
+    while d.choices():
+        d.step(d.choices()[0])
+    errors = [f for f in d.finished.values() if f.reason == "error"]
+    assert errors and all("draft failed" in f.error and "out of memory" in f.error for f in errors)
+    for f in d.finished.values():
+        if f.reason == "length":
+            assert d.tokens[f.request_id] == hf_greedy(tiny_hf, ps[int(f.request_id[1:])], 10)
+    assert_nothing_left(sched, runners, draft)
