@@ -20,6 +20,7 @@ from services.config import parse_draft_time, parse_stage_time
 
 from coordinator.core.schedulers.registry import Speculation
 from coordinator.engine.live import TTFTPhase
+from coordinator.engine.meter import quantile
 from coordinator.frontends.service import Coordinator, GenerateInput
 
 OVERRUN = 0.9    # flag a stage whose real compute per step exceeds this share of its emulated time
@@ -165,13 +166,7 @@ def load_prompts(path: str, n: int) -> list[dict]:
     return rows[:n] if n > 0 else rows
 
 
-def percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return 0.0
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+percentile = quantile      # linear interpolation between order statistics (0 for no data)
 
 
 def summarize(variant: Variant, stages: int, runs: list[dict], stage_time: tuple[float, float],

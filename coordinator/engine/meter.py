@@ -69,16 +69,16 @@ class StepMeter:
         """Median and p90 per step, and totals (startup included), for a bench row."""
         control = [s.control_ms for s in self.steps]
         draft = [s.draft_ms for s in self.steps]
-        return {"control_ms_per_step_p50": _quantile(control, 0.5), "control_ms_per_step_p90": _quantile(control, 0.9),
-                "draft_ms_per_step_p50": _quantile(draft, 0.5), "draft_ms_per_step_p90": _quantile(draft, 0.9),
+        return {"control_ms_per_step_p50": quantile(control, 0.5), "control_ms_per_step_p90": quantile(control, 0.9),
+                "draft_ms_per_step_p50": quantile(draft, 0.5), "draft_ms_per_step_p90": quantile(draft, 0.9),
                 "control_ms_total": self.control_ms,
                 "draft_ms_total": self.startup.draft_ms + sum(draft)}
 
 
-def _quantile(xs: list[float], q: float) -> float:
+def quantile(xs: list[float], q: float) -> float:
     """Linear interpolation between order statistics (0 for no data).
 
-    >>> _quantile([4.0, 1.0, 3.0, 2.0], 0.5)
+    >>> quantile([4.0, 1.0, 3.0, 2.0], 0.5)
     2.5
     """
     if not xs:

@@ -18,6 +18,7 @@ expansion becomes that request's error; one from a whole model call, the error o
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -61,6 +62,7 @@ class DraftJob:
         """Apply the bookkeeping, prefill, expand; never raises (failures are per request)."""
         out = DraftResults()
         before = draft.compute_s
+        started = time.perf_counter()
         for op in self.ops:
             if op.request_id in out.errors:
                 continue
@@ -73,6 +75,7 @@ class DraftJob:
                     draft.release(op.request_id)
             except Exception as e:           # a request's bookkeeping failing is that request's failure
                 out.errors[op.request_id] = e
+        out.bookkeeping_ms = (time.perf_counter() - started) * 1e3
         if self.begin:
             begin = [b for b in self.begin if b[0] not in out.errors]
             try:
@@ -102,4 +105,5 @@ class DraftResults:
     proposals: dict[str, Proposals] = field(default_factory=dict)     # request -> one row per expanded node
     q: dict[str, dict[int, torch.Tensor | None]] = field(default_factory=dict)
     errors: dict[str, Exception] = field(default_factory=dict)
-    compute_ms: float = 0.0
+    compute_ms: float = 0.0          # the draft's compute (its model calls and top-k)
+    bookkeeping_ms: float = 0.0      # the ops' wall time (the draft's KV tables: Python on the draft's thread)

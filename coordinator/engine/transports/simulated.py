@@ -15,6 +15,10 @@ Model (all in milliseconds):
 - the coordinator's own work (the scheduler's calls less the draft model's compute: tree, verification,
   dispatch; coordinator/engine/meter.py) takes its measured wall time times `control_scale` (0: free, the
   default here; the bench charges it, `--control-time measured`); an event's actions leave once it is handled;
+- a scheduler whose draft runs beside it (`drafts_beside`: specpipe) hands out draft jobs: the draft is its
+  own resource, one job at a time, started when the coordinator has made it and done after its modelled
+  time (plus its KV bookkeeping's measured time times `control_scale`), when the coordinator applies it like
+  any event. The trip baselines' rounds run in line, as above;
 - control messages reach every stage at once.
 
 `steps` records, per pipeline step (one result handled and the calls up to the next), the control time and
@@ -179,7 +183,9 @@ class SimulatedPipeline:
                 return t
             before = self._draft_counters(draft)
             results = job.run(draft)
-            spent = self._draft_spent(before, self._draft_counters(draft))
+            # the draft's modelled time, and its KV bookkeeping's measured time (charged like control time)
+            spent = self._draft_spent(before, self._draft_counters(draft)) + \
+                getattr(results, "bookkeeping_ms", 0.0) * self.control_scale
             self.steps.add(0.0, spent)
             self.draft_ms += spent
             drafting, draft_free = True, max(t, draft_free) + spent
