@@ -44,9 +44,9 @@ import numpy as np
 import torch
 
 from coordinator.core.proposals import ProposalRows
+from coordinator.core.tree_columns import NO_TOKEN, NodeArrays, NodeTable, NodeView
 
 POLICIES = ("layer", "best-first", "hybrid")
-NO_TOKEN = -1          # target_next not known yet; best_child: no child
 
 
 @dataclass
@@ -62,146 +62,6 @@ class Pruned:
 
     def __len__(self) -> int:
         return len(set(self.injected) | set(self.expanded))
-
-
-class NodeArrays:
-    """One column per field, one row per live node, rows in id order (row 0 is the root). The columns are
-    views of buffers that grow by doubling, so adding nodes writes only the new rows."""
-    COLUMNS = {"id": np.int64,            # [n] node id
-               "parent": np.int64,        # [n] the parent's id (-1 above the root)
-               "token": np.int64,         # [n]
-               "depth": np.int64,         # [n] = the token's position in the sequence
-               "score": np.float64,       # [n] cumulative draft log-probability (for ranking)
-               "injected": np.bool_,      # [n]
-               "expanded": np.bool_,      # [n] the draft has proposed this node's children
-               "asked": np.bool_,         # [n] a draft job in flight computes this node's children
-               "target_next": np.int64,   # [n] the target's token after this node (NO_TOKEN: not known yet)
-               "best_child": np.int64}    # [n] id of the best child by (score, -id) (NO_TOKEN: none)
-
-    def __init__(self, capacity: int = 256) -> None:
-        self._buf = {c: np.empty(capacity, t) for c, t in self.COLUMNS.items()}
-        self.n = 0
-        self._views()
-
-    def _views(self) -> None:
-        for c, b in self._buf.items():
-            setattr(self, c, b[:self.n])
-
-    def append(self, ids: np.ndarray, parents: np.ndarray, tokens: np.ndarray, depths: np.ndarray,
-               scores: np.ndarray) -> None:
-        """New nodes (ids above every live id), not injected, not expanded, with no target token or child."""
-        m, n = len(ids), self.n
-        if n + m > len(self._buf["id"]):
-            grow = max(2 * len(self._buf["id"]), n + m)
-            for c, b in self._buf.items():
-                self._buf[c] = np.empty(grow, b.dtype)
-                self._buf[c][:n] = b[:n]
-        for c, values in (("id", ids), ("parent", parents), ("token", tokens), ("depth", depths),
-                          ("score", scores), ("injected", False), ("expanded", False), ("asked", False),
-                          ("target_next", NO_TOKEN), ("best_child", NO_TOKEN)):
-            self._buf[c][n:n + m] = values
-        self.n = n + m
-        self._views()
-
-    def keep(self, rows: np.ndarray) -> None:
-        """Keep only these rows (ascending), in place."""
-        k = len(rows)
-        for b in self._buf.values():
-            b[:k] = b[rows]
-        self.n = k
-        self._views()
-
-
-class NodeView:
-    """One node of a tree, read (and for `injected`, `expanded`, `target_next`, `q`, `target_p` written)
-    through to the arrays. For cold paths: the hot path works on whole columns."""
-
-    def __init__(self, tree: "TokenTree", node_id: int) -> None:
-        self._tree, self.id = tree, node_id
-
-    def _get(self, column: str):
-        return getattr(self._tree.a, column)[self._tree.row(self.id)].item()
-
-    def _set(self, column: str, value) -> None:
-        getattr(self._tree.a, column)[self._tree.row(self.id)] = value
-
-    parent = property(lambda self: self._get("parent"))
-    token = property(lambda self: self._get("token"))
-    depth = property(lambda self: self._get("depth"))
-    score = property(lambda self: self._get("score"))
-    injected = property(lambda self: self._get("injected"), lambda self, v: self._set("injected", bool(v)))
-    expanded = property(lambda self: self._get("expanded"), lambda self, v: self._set("expanded", bool(v)))
-    asked = property(lambda self: self._get("asked"))
-
-    @property
-    def committed(self) -> bool:
-        return self.id == self._tree.root
-
-    @property
-    def target_next(self) -> int | None:
-        t = self._get("target_next")
-        return None if t == NO_TOKEN else t
-
-    @target_next.setter
-    def target_next(self, token: int | None) -> None:
-        self._set("target_next", NO_TOKEN if token is None else token)
-
-    @property
-    def children(self) -> list[int]:
-        """Child ids in the order the draft proposed them."""
-        return self._tree.children(self.id)
-
-    @property
-    def q(self) -> torch.Tensor | None:          # [vocab] draft's warped log-probs here (rejection)
-        return self._tree.q.get(self.id)
-
-    @q.setter
-    def q(self, value: torch.Tensor | None) -> None:
-        self._tree.q[self.id] = value
-
-    @property
-    def target_p(self) -> torch.Tensor | None:   # [vocab] target's warped log-probs here (rejection)
-        return self._tree.target_p.get(self.id)
-
-    @target_p.setter
-    def target_p(self, value: torch.Tensor | None) -> None:
-        self._tree.target_p[self.id] = value
-
-    def __repr__(self) -> str:
-        return f"NodeView(id={self.id}, token={self.token}, depth={self.depth}, score={self.score:.3f})"
-
-
-class NodeTable:
-    """`tree.nodes`: a read-only mapping id -> NodeView over the live nodes."""
-
-    def __init__(self, tree: "TokenTree") -> None:
-        self._tree = tree
-
-    def __getitem__(self, node_id: int) -> NodeView:
-        if node_id not in self:
-            raise KeyError(node_id)
-        return NodeView(self._tree, node_id)
-
-    def get(self, node_id: int, default=None) -> NodeView | None:
-        return self[node_id] if node_id in self else default
-
-    def __contains__(self, node_id: object) -> bool:
-        return isinstance(node_id, (int, np.integer)) and self._tree.row(int(node_id), strict=False) >= 0
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._tree.a.id.tolist())
-
-    def __len__(self) -> int:
-        return len(self._tree.a.id)
-
-    def keys(self) -> list[int]:
-        return self._tree.a.id.tolist()
-
-    def values(self) -> list[NodeView]:
-        return [NodeView(self._tree, i) for i in self.keys()]
-
-    def items(self) -> list[tuple[int, NodeView]]:
-        return [(i, NodeView(self._tree, i)) for i in self.keys()]
 
 
 class TokenTree:

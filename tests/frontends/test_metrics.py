@@ -83,7 +83,8 @@ def test_token_gaps_ttft_and_outcome_on_a_fake_clock(metrics_port):
         clock.t = 11.5
         m.tokens(1)             # one gap of 0.4
         m.finished("length", {"steps": 12.0, "tokens": 6.0, "tokens_per_step": 0.5, "hits": 4.0, "misses": 2.0,
-                           "decode_steps": 10.0, "decode_tokens_per_step": 0.5, "lag_steps": 3.0, "refill_steps": 2.0})
+                           "decode_steps": 10.0, "decode_tokens_per_step": 0.5, "lag_steps": 3.0, "refill_steps": 2.0,
+                           "batches": 8.0, "control_ms": 12.0})
     after = scrape(metrics_port)
     d = lambda name, **kw: delta(before, after, name, method="tree", **kw)      # noqa: E731
     assert d("specpipe_time_to_first_token_seconds_count") == 1
@@ -101,6 +102,7 @@ def test_token_gaps_ttft_and_outcome_on_a_fake_clock(metrics_port):
     assert d("specpipe_draft_hit_rate_sum") == pytest.approx(4 / 6)
     assert d("specpipe_acceptance_length_sum") == pytest.approx(3.0)
     assert d("specpipe_draft_tokens_total", result="hit") == 4 and d("specpipe_draft_tokens_total", result="miss") == 2
+    assert d("specpipe_control_seconds_per_step_sum") == pytest.approx(0.0015)   # 12 ms over 8 results
 
 
 def test_outcomes_of_errors_are_bounded_labels(metrics_port):
@@ -175,6 +177,7 @@ async def test_a_request_is_reflected_in_coordinator_and_stage_metrics(tiny_mode
     assert ttft_s > 0 and tbt_s > 0 and ttft_s + tbt_s <= window_s
     assert d("specpipe_tokens_per_step_sum", method="specpipe") == pytest.approx(stats.tokens_per_step)
     assert d("specpipe_decode_tokens_per_step_count", method="specpipe") == 1
+    assert d("specpipe_control_seconds_per_step_count", method="specpipe") == 1 and stats.counters["control_ms"] > 0
     assert d("specpipe_stalled_steps_total", method="specpipe", kind="lag") == stats.counters["lag_steps"]
     assert d("specpipe_stalled_steps_total", method="specpipe", kind="refill") == stats.counters["refill_steps"]
     hits, misses = stats.counters["hits"], stats.counters["misses"]
