@@ -51,7 +51,7 @@ def test_dockerignore_keeps_local_state_out():
 DISTRIBUTIONS = {"aiohttp": "aiohttp", "google": "protobuf", "grpc": "grpcio", "grpc_health": "grpcio-health-checking",
                  "grpc_reflection": "grpcio-reflection", "grpc_tools": "grpcio-tools",
                  "huggingface_hub": "huggingface-hub", "jinja2": "jinja2", "kubernetes": "kubernetes",
-                 "matplotlib": "matplotlib", "prometheus_client": "prometheus-client", "safetensors": "safetensors",
+                 "matplotlib": "matplotlib", "numpy": "numpy", "prometheus_client": "prometheus-client", "safetensors": "safetensors",
                  "structlog": "structlog", "torch": "torch", "transformers": "transformers",
                  "typing_extensions": "typing-extensions", "urllib3": "urllib3", "tokenizers": "tokenizers",
                  "gguf": "gguf", "accelerate": "accelerate"}

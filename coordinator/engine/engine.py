@@ -11,8 +11,8 @@ import asyncio
 import functools
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from services.logs import get_logger

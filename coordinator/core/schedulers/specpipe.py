@@ -2,8 +2,9 @@
 that ideally one token commits per pipeline step instead of one per S steps.
 
 Per request, while fewer than S of its micro-batches are in flight: grow the tree (coordinator/core/tree.py)
-and inject the chosen nodes as one micro-batch; then the draft **runs ahead** (`work`: `rounds` batched calls,
-each expanding the best not-yet-expanded nodes, injected or not), so the next micro-batch can take a node with
+and inject the chosen nodes as one micro-batch; then the draft **runs ahead** (`rounds` draft jobs, beside the
+coordinator: `draft_job`, coordinator/core/drafts/job.py; each one batched call expanding the best
+not-yet-expanded nodes, injected or not), so the next micro-batch can take a node with
 its already-proposed descendants. `layer` is the paper's rule: one layer per step, the draft expands only what
 was injected. On a result, verify at the root: **hit** (`TokenTree.commit`), or **miss** with a warm restart
 (`reroot`) or a fresh **bonus** (`restart`), which the draft expands before it goes in. Commits and prunes are
@@ -76,14 +77,18 @@ class SpecPipeScheduler(BatchingScheduler):
             state.count(name, 0)
         root = state.committed[-1]
         self.trees[rid] = TokenTree(root, prompt[-1], len(prompt) - 1, state.new_node)
-        self.pending[rid] = self.rounds     # the draft prefills and expands the root in work()
+        self.pending[rid] = self.rounds     # the draft prefills and expands the root in its next job
 
     def _ready(self, state: RequestState) -> bool:
-        """Room in the pipeline, and not a bonus whose children the draft has not proposed yet. The draft's
-        rounds do not hold the request up: the next growth takes what has been proposed so far."""
-        root = self.trees[state.request.request_id].root_node
+        """Room in the pipeline; not a bonus whose children the draft has not proposed yet; and a draft round
+        *started* since the request's last injection (`pending` counts down as jobs are made, not as they
+        come back). Beside the coordinator a round starts right after an injection, so a result finds the
+        request ready and the next growth takes what has been proposed so far; in line (the in-process
+        drivers) the round has run by then."""
+        rid = state.request.request_id
+        root = self.trees[rid].root_node
         cold = self.policy != "layer" and not root.injected and not root.expanded   # a bonus waits for its children
-        return not cold and state.in_flight < self.num_stages
+        return self.pending.get(rid, 0) < self.rounds and not cold and state.in_flight < self.num_stages
 
     def _share_beside_prompts(self) -> int:
         return 1          # speculation gives way for the one step a prompt travels with it
@@ -109,7 +114,7 @@ class SpecPipeScheduler(BatchingScheduler):
 
     def _next_rows(self, state: RequestState, share: int) -> Segment | None:
         """The tree's next growth, at most min(width, share) nodes (`layer`: a bonus alone); the draft then
-        runs ahead in work()."""
+        runs ahead in its jobs."""
         rid = state.request.request_id
         tree = self.trees[rid]
         root = tree.root_node
