@@ -22,7 +22,7 @@ class Speculation:
     """The speculation and batching settings, each declared once: CoordinatorConfig inherits them (with a flag
     and an environment variable each, e.g. --width and SPECPIPE_WIDTH; services/options.py), SpecOptions adds
     the draft source, and `spec_options` carries one into the other."""
-    width: int = option(32, "tree nodes injected per step")          # measured: README "Measured"
+    width: int = option(32, "tree nodes injected per step")          # measured: docs/benchmarks.md
     tree_policy: str = option("hybrid", choices=TREE_POLICIES)
     topk: int = option(16, "children the draft proposes per node")
     draft_rounds: int = option(2, "specpipe: draft calls per step; each expands the best not-yet-expanded nodes so "
