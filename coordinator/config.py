@@ -98,11 +98,11 @@ class CoordinatorConfig(SpecConfig, TLSOptions):
             host, _, port = addr.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"stage address {addr!r} is not HOST:PORT")
-        if min(self.width, self.topk, self.draft_rounds, self.draft_threads, self.sps_k, self.tree_nodes,
-               self.tree_depth, self.tree_topk,
+        if min(self.width, self.topk, self.draft_rounds) < 0:
+            raise ValueError("width, topk and draft_rounds must be at least 1, or 0 (chosen by the cost rule)")
+        if min(self.draft_threads, self.sps_k, self.tree_nodes, self.tree_depth, self.tree_topk,
                self.pipeinfer_run, self.node_budget, self.prefill_chunk, self.max_active) < 1:
-            raise ValueError("width, topk, draft_rounds, draft_threads, sps_k, tree_nodes, tree_depth, tree_topk, "
-                             "pipeinfer_run, "
+            raise ValueError("draft_threads, sps_k, tree_nodes, tree_depth, tree_topk, pipeinfer_run, "
                              "node_budget, prefill_chunk and max_active must be at least 1")
         if self.k8s_statefulset and "{i}" not in self.stage_template:
             raise ValueError("--k8s-statefulset needs --stages as a '{i}' template (the stages' DNS names)")

@@ -67,6 +67,8 @@ class MicroBatch:
     return_logprobs: bool = False
     trace: list[StageTrace] = field(default_factory=list)
     wire_bytes: int = 0                         # size of the message it arrived in (0: not over the wire)
+    trip_ms: float = 0.0                        # on results: injection to arrival, stamped by the transport (0: unknown)
+    arrived_ms: float = 0.0                     # on results: the transport's clock at arrival (0: unknown)
 
     @property
     def rows(self) -> int:

@@ -35,7 +35,8 @@ class Variant:
 
     @property
     def label(self) -> str:
-        base = self.method if self.width is None else f"{self.method}/{self.policy}/w{self.width}"
+        width = "auto" if self.width == 0 else self.width      # 0: the cost rule sizes it
+        base = self.method if self.width is None else f"{self.method}/{self.policy}/w{width}"
         return base + "".join(f"/{k.split('_')[-1]}{v}" if isinstance(v, int) else f"/{v}" for k, v in self.extra)
 
     def overrides(self) -> dict:
@@ -208,7 +209,8 @@ def summarize(variant: Variant, stages: int, runs: list[dict], stage_time: tuple
             "overhead_ms_per_trip": _mean([r["overhead_ms_mean"] for r in runs if "overhead_ms_mean" in r]),
             "result_bytes_per_step": sum(r.get("result_bytes", 0.0) for r in runs) / batches,
             "compute_overrun_stages": flagged, "compute_ms_per_step": per_step, "machine_bound": machine_bound,
-            "machine_cores": cores, **per_step_costs(runs)}
+            "machine_cores": cores, **per_step_costs(runs),
+            "sized_widths": [int(r["sized_width"]) for r in runs if "sized_width" in r]}   # the cost rule's (0: none)
 
 
 def per_step_costs(runs: list[dict]) -> dict[str, float | None]:

@@ -49,10 +49,12 @@ def run_simulated(cfg: BenchConfig, log=print) -> dict:
             continue
         runs: dict[Variant, list[dict]] = {v: [] for v in cfg.variants}
         meters = {v: StepMeter() for v in cfg.variants}
+        sizers: dict[Variant, object] = {}       # specpipe's cost rule lives on across prompts, as in the engine
         for pi, prompt in enumerate(token_ids):
             for v in cfg.variants:
                 spec = replace(SpecOptions(draft), **v.overrides())
-                sched = make_scheduler(v.method, num_stages, spec)
+                sched = make_scheduler(v.method, num_stages, spec, sizers.get(v))
+                sizers[v] = getattr(sched, "sizer", None)
                 pipe = SimulatedPipeline([runner], stage_time, num_stages=num_stages, hop_ms=cfg.hop_ms,
                                          draft_time=draft_time, control_scale=cfg.control_scale)
                 rid = f"sim{next(ids)}"
@@ -97,12 +99,14 @@ def _levels(cfg: BenchConfig, num_stages: int, runner: StageRunner, draft, token
     Poisson arrival times (seed 0). One row per (level, variant)."""
     from coordinator.bench.load import level_name, level_row
     rows = []
+    sizers: dict[Variant, object] = {}           # specpipe's cost rule lives on across levels, as in the engine
     for level in cfg.request_rates or cfg.concurrency:
         rate = level if cfg.request_rates else None
         n = len(token_ids) * cfg.rounds if rate else level * cfg.rounds
         for v in cfg.variants:
             spec = replace(SpecOptions(draft), **{"node_budget": cfg.node_budget, **v.overrides()})
-            sched = make_scheduler(v.method, num_stages, spec)
+            sched = make_scheduler(v.method, num_stages, spec, sizers.get(v))
+            sizers[v] = getattr(sched, "sizer", None)
             pipe = SimulatedPipeline([runner], stage_time, num_stages=num_stages, hop_ms=cfg.hop_ms,
                                      draft_time=draft_time, control_scale=cfg.control_scale)
             reqs = [Request(f"{'r' if rate else 'c'}{level}-{v.label}-{i}", token_ids[i % len(token_ids)],

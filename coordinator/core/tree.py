@@ -331,6 +331,14 @@ class TokenTree:
         rows, live = self.rows(np.asarray(node_ids, np.int64))
         self.a.target_next[rows[live]] = np.asarray(tokens, np.int64)[live]
 
+    def root_rank(self, token: int) -> tuple[int, int]:
+        """(the rank of `token` among the root's children in the draft's order, -1 if not proposed; how many
+        of them were injected), for the cost rule (coordinator/core/sizing.py)."""
+        a = self.a
+        mine = a.parent == self.root
+        at = np.flatnonzero(a.token[mine] == token)
+        return (int(at[0]) if len(at) else -1), int(np.count_nonzero(a.injected[mine]))
+
     def matching_child(self, node_id: int, token: int) -> int | None:
         """The injected child of node_id that carries `token`, if any."""
         a = self.a

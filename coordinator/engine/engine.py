@@ -288,6 +288,8 @@ class Engine:
                     continue
                 sched, sent = back
                 now = time.perf_counter()
+                batch.trip_ms = (now - sent) * 1e3 if sent is not None else 0.0
+                batch.arrived_ms = now * 1e3
                 self._requests.account(batch, sent, now)
                 self._requests.returned(batch, now)
                 try:

@@ -72,6 +72,8 @@ DRAFT_TOKENS = Counter("specpipe_draft_tokens", "Committed tokens of the specula
 CONTROL_PER_STEP = Histogram("specpipe_control_seconds_per_step", "The coordinator's own time (scheduler, tree, "
                              "verification, dispatch; the draft model's compute excluded) per pipeline step, per "
                              "finished request", ["method"], buckets=TBT_BUCKETS)
+SIZED_WIDTH = Gauge("specpipe_sized_width", "specpipe's width as its cost rule had it for the last finished request "
+                    "(0: no speculation, plain pipelining; coordinator/core/sizing.py)", ["method"])
 QUEUED = Gauge("specpipe_queued_requests", "Requests waiting in the admission queue")
 ACTIVE = Gauge("specpipe_active_requests", "Requests admitted and running")
 
@@ -146,6 +148,8 @@ class RequestMetrics:
                 TTFT_PHASE.labels(self.method, phase.value).observe(ms / 1e3)
         if stats.get("batches") and "control_ms" in stats:
             CONTROL_PER_STEP.labels(self.method).observe(stats["control_ms"] / stats["batches"] / 1e3)
+        if "sized_width" in stats:
+            SIZED_WIDTH.labels(self.method).set(stats["sized_width"])
         if stats.get("steps"):
             TOKENS_PER_STEP.labels(self.method).observe(stats.get("tokens_per_step", 0.0))
         if stats.get("decode_steps"):

@@ -410,3 +410,30 @@ async def test_the_gpu_regime_preset_and_its_flags():
             await cmd_bench(build_parser().parse_args(["bench", *flags]))
     with pytest.raises(ValueError, match="hop"):
         BenchConfig(stages=[2], methods=["pp"], widths=[4], policies=["hybrid"], hop_ms=-1.0)
+
+
+# -- the cost rule on the simulated clock (coordinator/core/sizing.py) -----------------------------------------------
+@pytest.mark.parametrize("profile, S, stage, draft_time, hop, speculates", [
+    ("gpu", 8, (5.0, 0.025), (1.5, 0.005), 0.5, True),         # cheap rows and draft: speculation pays
+    ("cpu", 4, (28.0, 0.5), (112.0, 0.5), 1.0, False),         # a draft as costly as the target: none
+])
+def test_the_cost_rule_sizes_specpipe_to_the_clock(tiny_model, tiny_hf, profile, S, stage, draft_time, hop,
+                                                   speculates):
+    """Defaults (width, topk and rounds left to the rule), one rule across three requests as the engine keeps
+    it: the last request runs speculating on the GPU-like clock and plain on the CPU-like one; every output is
+    the target's greedy output."""
+    from coordinator.core.drafts.model import ModelDraft, quantized_copy
+    from coordinator.core.schedulers.registry import SpecOptions, make_scheduler
+    from helpers.reference import hf_greedy, prompts
+    from helpers.shard import make_runners
+    draft = ModelDraft(quantized_copy(str(tiny_model)), name="quant")
+    runner = make_runners(tiny_model, 1)[0]
+    sizer = None
+    for i, prompt in enumerate(prompts(3, seed=4)):
+        sched = make_scheduler("specpipe", S, SpecOptions(draft), sizer)
+        sizer = sched.sizer
+        pipe = SimulatedPipeline([runner], stage, num_stages=S, hop_ms=hop, draft_time=draft_time, control_scale=0)
+        out = pipe.run(sched, [Request(f"{profile}{i}", prompt, 40)], draft=draft)[f"{profile}{i}"]
+        assert out.tokens == hf_greedy(tiny_hf, prompt, 40)
+    assert sizer.choice.speculates is speculates
+    assert (out.stats["sized_width"] > 0) is speculates

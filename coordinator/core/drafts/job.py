@@ -3,7 +3,7 @@ simulated clock its own resource) instead of in line with it.
 
 A scheduler never calls the draft while it handles an event. It queues the draft's bookkeeping (`commit`,
 `prune`, `release`: the tree's commits and prunes mirrored into the draft's KV) and, when a round is due,
-hands out a `DraftJob`: that bookkeeping, in order, then the prompts to prefill and the nodes to expand.
+hands out a `DraftJob`: the prompts to prefill, that bookkeeping in order, then the nodes to expand.
 Whoever owns the draft runs `job.run(draft)` — one job at a time, in the order they were made — and gives
 the `DraftResults` back to the scheduler (`SpecPipeScheduler.draft_done`). Meanwhile results may come
 back, commit and prune: what they prune is queued behind the job, and the job's proposals for nodes no
@@ -59,9 +59,16 @@ class DraftJob:
         return {rid for rid, *_ in self.begin} | {rid for rid, _ in self.expand}
 
     def run(self, draft: DraftSource) -> "DraftResults":
-        """Apply the bookkeeping, prefill, expand; never raises (failures are per request)."""
+        """Prefill, apply the bookkeeping (a request's commits may precede its prefill: they were queued
+        before the draft held it), expand; never raises (failures are per request)."""
         out = DraftResults()
         before = draft.compute_s
+        if self.begin:
+            try:
+                errors = draft.begin_many(self.begin)
+            except Exception as e:           # the call failed as a whole: every request in it
+                errors = [e] * len(self.begin)
+            out.errors.update({rid: e for (rid, *_), e in zip(self.begin, errors) if e is not None})
         started = time.perf_counter()
         for op in self.ops:
             if op.request_id in out.errors:
@@ -76,13 +83,6 @@ class DraftJob:
             except Exception as e:           # a request's bookkeeping failing is that request's failure
                 out.errors[op.request_id] = e
         out.bookkeeping_ms = (time.perf_counter() - started) * 1e3
-        if self.begin:
-            begin = [b for b in self.begin if b[0] not in out.errors]
-            try:
-                errors = draft.begin_many(begin)
-            except Exception as e:           # the call failed as a whole: every request in it
-                errors = [e] * len(begin)
-            out.errors.update({rid: e for (rid, *_), e in zip(begin, errors) if e is not None})
         expand = [(rid, nodes) for rid, nodes in self.expand if rid not in out.errors]
         if expand:
             try:

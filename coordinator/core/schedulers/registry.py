@@ -11,6 +11,7 @@ from coordinator.core.schedulers.cbpp import CBPPScheduler
 from coordinator.core.schedulers.pp import PPScheduler
 from coordinator.core.schedulers.specpipe import SpecPipeScheduler
 from coordinator.core.schedulers.trip import make_pipeinfer, make_sps, make_tree
+from coordinator.core.sizing import Sizer, Sizing
 from coordinator.core.verify import VERIFIERS
 
 METHODS = ("pp", "specpipe", "sps", "tree", "pipeinfer", "cb-pp")
@@ -22,11 +23,14 @@ class Speculation:
     """The speculation and batching settings, each declared once: CoordinatorConfig inherits them (with a flag
     and an environment variable each, e.g. --width and SPECPIPE_WIDTH; services/options.py), SpecOptions adds
     the draft source, and `spec_options` carries one into the other."""
-    width: int = option(32, "tree nodes injected per step")          # measured: docs/benchmarks.md
+    # 0 = chosen online by the cost rule (coordinator/core/sizing.py), up to AUTO_MAX; a value given pins it
+    width: int = option(0, "tree nodes injected per step; 0: the cost rule picks 1..32, or no speculation "
+                           "where it cannot pay")                     # measured: docs/benchmarks.md
     tree_policy: str = option("hybrid", choices=TREE_POLICIES)
-    topk: int = option(16, "children the draft proposes per node")
-    draft_rounds: int = option(2, "specpipe: draft calls per step; each expands the best not-yet-expanded nodes so "
-                                  "a micro-batch can span several tree layers (layer policy: 1)")
+    topk: int = option(0, "children the draft proposes per node; 0: the cost rule picks up to 16")
+    draft_rounds: int = option(0, "specpipe: draft calls per step; each expands the best not-yet-expanded nodes so "
+                                  "a micro-batch can span several tree layers (layer policy: 1); 0: the cost rule "
+                                  "picks 1 or 2")
     sps_k: int = option(4, "sps: draft tokens per trip")
     tree_nodes: int = option(32, "tree: nodes per trip")
     tree_depth: int = option(6, "tree: expansion rounds per trip")
@@ -51,7 +55,11 @@ class SpecOptions(Speculation):
     draft: DraftSource | None = None
 
 
-def make_scheduler(method: str, num_stages: int, spec: SpecOptions | None = None) -> Scheduler:
+def make_scheduler(method: str, num_stages: int, spec: SpecOptions | None = None,
+                   sizer: Sizer | None = None) -> Scheduler:
+    """The method's scheduler. `sizer`: specpipe's cost rule carried over from an earlier scheduler of the
+    same pipeline and settings (what it learnt stays); by default a new one when any of width, topk and draft
+    rounds is left to it."""
     spec = spec or SpecOptions()
     if method == "pp":
         return PPScheduler(num_stages)
@@ -60,8 +68,11 @@ def make_scheduler(method: str, num_stages: int, spec: SpecOptions | None = None
     if method == "specpipe":
         if spec.draft is None:
             raise ValueError("method 'specpipe' needs a draft source (--draft quant|quant+ngram|ngram|model)")
-        return SpecPipeScheduler(num_stages, spec.draft, spec.width, spec.tree_policy, spec.topk, spec.node_budget,
-                                 spec.verify, spec.draft_rounds, spec.prefill_chunk)
+        sizing = Sizing.of(spec.width, spec.topk, spec.draft_rounds)
+        if sizer is None and sizing.auto:
+            sizer = Sizer(num_stages, sizing, spec.node_budget)
+        return SpecPipeScheduler(num_stages, spec.draft, sizing.max_width, spec.tree_policy, sizing.max_topk,
+                                 spec.node_budget, spec.verify, sizing.max_rounds, spec.prefill_chunk, sizer)
     if method in ("sps", "tree", "pipeinfer"):
         if spec.draft is None:
             raise ValueError(f"method {method!r} needs a draft source (--draft quant|quant+ngram|ngram|model)")

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from services.batch import Segment
+from services.batch import MicroBatch, Segment
 from services.sampling import uniform
 
 from coordinator.core.drafts.base import DraftNode, DraftSource
@@ -34,6 +34,7 @@ from coordinator.core.drafts.job import DraftJob, DraftOp, DraftResults, OpKind
 from coordinator.core.schedulers.base import RequestState
 from coordinator.core.schedulers.batching import BatchingScheduler
 from coordinator.core.proposals import ProposalRows
+from coordinator.core.sizing import Sizer
 from coordinator.core.tree import POLICIES, TokenTree
 from coordinator.core.verify import VERIFIERS, verify_children
 
@@ -46,7 +47,7 @@ class SpecPipeScheduler(BatchingScheduler):
 
     def __init__(self, num_stages: int, draft: DraftSource, width: int = 32, policy: str = "hybrid",
                  topk: int = 16, node_budget: int = 32, verify: str = "match", rounds: int = 2,
-                 prefill_chunk: int = 256) -> None:
+                 prefill_chunk: int = 256, sizer: Sizer | None = None) -> None:
         super().__init__(num_stages, node_budget, prefill_chunk)
         if width < 1 or topk < 1 or rounds < 1:
             raise ValueError("width, topk and rounds must be at least 1")
@@ -65,10 +66,19 @@ class SpecPipeScheduler(BatchingScheduler):
         self.unseen: dict[str, list[DraftNode]] = {}
         self.miss_batch: dict[str, int] = {}         # request -> first micro-batch id injected after its last miss
         self.draft_ops: list[DraftOp] = []           # bookkeeping for the draft, sent ahead of its next job
+        # the cost rule (coordinator/core/sizing.py): width, topk and rounds chosen online, or none
+        self.max_width = width
+        self.sizer = sizer if sizer is not None and sizer.sizing.auto else None
+        if self.sizer is not None and self.sizer.choice.speculates:     # a sizer that served earlier requests
+            self.width, self.topk, self.rounds = self.sizer.choice.width, self.sizer.choice.topk, \
+                1 if policy == "layer" else self.sizer.choice.rounds
+        self.plain: set[str] = set()                 # requests served without speculation (the rule chose none)
+        self._control_ms = 0.0                       # control time charged since the last result
+        self._committed = 0                          # tokens committed, all requests
 
     @property
     def kv_rows_per_batch(self) -> int:
-        return self.width + 1
+        return self.max_width + 1
 
     # -- scheduler hooks ----------------------------------------------------------------------------
     def _admitted(self, state: RequestState) -> None:
@@ -77,7 +87,10 @@ class SpecPipeScheduler(BatchingScheduler):
             state.count(name, 0)
         root = state.committed[-1]
         self.trees[rid] = TokenTree(root, prompt[-1], len(prompt) - 1, state.new_node)
-        self.pending[rid] = self.rounds     # the draft prefills and expands the root in its next job
+        if self.sizer is not None and not self.sizer.choice.speculates:
+            self.plain.add(rid)             # plain pipelining: the draft never sees it
+        else:
+            self.pending[rid] = self.rounds     # the draft prefills and expands the root in its next job
 
     def _ready(self, state: RequestState) -> bool:
         """Room in the pipeline; not a bonus whose children the draft has not proposed yet; and a draft round
@@ -86,6 +99,8 @@ class SpecPipeScheduler(BatchingScheduler):
         request ready and the next growth takes what has been proposed so far; in line (the in-process
         drivers) the round has run by then."""
         rid = state.request.request_id
+        if rid in self.plain:               # one micro-batch at a time, as `pp`
+            return state.in_flight == 0
         root = self.trees[rid].root_node
         cold = self.policy != "layer" and not root.injected and not root.expanded   # a bonus waits for its children
         return self.pending.get(rid, 0) < self.rounds and not cold and state.in_flight < self.num_stages
@@ -118,6 +133,12 @@ class SpecPipeScheduler(BatchingScheduler):
         rid = state.request.request_id
         tree = self.trees[rid]
         root = tree.root_node
+        if rid in self.plain:               # the root alone (the last committed token), once
+            if root.injected:
+                return None
+            root.injected = True
+            parents, positions, tokens = tree.segment_rows([tree.root], state.root_parent)
+            return Segment(rid, [tree.root], parents, positions, tokens, [True])
         if self.policy == "layer" and not root.injected:
             root.injected = True
             chosen = [tree.root]
@@ -141,14 +162,20 @@ class SpecPipeScheduler(BatchingScheduler):
                     tree.target_p[node_id] = logprobs[i]
         committed = len(state.generated)
         misses = state.counters["misses"]
-        if self._verify(state, tree) and len(state.generated) == committed and state.counters["misses"] == misses:
+        if not self._verify(state, tree):
+            return
+        if self.sizer is not None and committed and state.request.request_id not in self.plain:
+            self.sizer.observe_tokens(len(state.generated) - committed)
+        if len(state.generated) == committed and state.counters["misses"] == misses:
             # nothing committed: the pipeline was refilling after a miss, or the tree lagged behind it
             stale = self._result_batch < self.miss_batch.get(state.request.request_id, -1)
             state.count("refill_steps" if stale else "lag_steps")
 
     def _rejection(self, state: RequestState) -> bool:
-        """This request samples and is verified by rejection (the last stage ships distributions)."""
-        return self.verify == "rejection" and not state.request.sampling.greedy
+        """This request samples and is verified by rejection (the last stage ships distributions); a plain
+        request takes the target's own draw."""
+        return self.verify == "rejection" and not state.request.sampling.greedy and \
+            state.request.request_id not in self.plain
 
     def _wants_logprobs(self, segments: list[Segment]) -> bool:
         return any(self._rejection(self.requests[s.request_id]) for s in segments)
@@ -160,30 +187,106 @@ class SpecPipeScheduler(BatchingScheduler):
         self.unseen.pop(rid, None)
         self.miss_batch.pop(rid, None)
         self.begun.discard(rid)           # the draft may hold it (begun) or have had a commit for it: release
+        if self.sizer is not None:        # the cost rule's last choice for it (0: no speculation)
+            state.counters["sized_width"] = 0 if rid in self.plain else self.width
+        self.plain.discard(rid)
         self.draft_ops.append(DraftOp(OpKind.RELEASE, rid))
         super()._finish(state, reason, error, error_code)
+
+    # -- the cost rule (coordinator/core/sizing.py) ---------------------------------------------------
+    def charge_control(self, ms: float) -> None:
+        super().charge_control(ms)
+        self._control_ms += ms
+
+    def on_result(self, batch: MicroBatch) -> None:
+        if self.sizer is not None:
+            self._observe(batch)
+        committed, running = self._committed, bool(self.requests)
+        super().on_result(batch)
+        if self.sizer is not None:
+            if running:                   # (results of finished requests still come back: not a pace)
+                self.sizer.observe_result(batch.arrived_ms, self._committed - committed)
+            if not self.requests:
+                self.sizer.idle()
+            before = self.sizer.choice
+            if self.sizer.step(len(self.requests)) != before:
+                self._resize()
+
+    def _commit(self, state: RequestState, node_ids: list[int], tokens: list[int],
+                prune: list[int] | tuple[int, ...] = ()) -> bool:
+        self._committed += min(len(tokens), state.request.max_new_tokens - len(state.generated))
+        return super()._commit(state, node_ids, tokens, prune)
+
+    def _observe(self, batch: MicroBatch) -> None:
+        """A result's costs: each stage's step (compute and emulated time) against its rows, the round
+        trip's rest per stage (the hop), the control time since the last result."""
+        sizer, steps, speculating = self.sizer, 0.0, len(self.plain) < len(self.trees)
+        for t in batch.trace:
+            sizer.observe_stage(t.rows_computed, t.compute_ms + t.wait_ms, speculating)
+            steps += t.compute_ms + t.wait_ms
+        if batch.trip_ms > 0 and batch.trace:
+            sizer.observe_hop((batch.trip_ms - steps) / len(batch.trace), speculating)
+        sizer.observe_control(self._control_ms, speculating)
+        self._control_ms = 0.0
+
+    def _resize(self) -> None:
+        """Apply the rule's choice: new settings for the next rounds and micro-batches. None -> every running
+        request goes on without draft rounds (what is in flight still commits; the draft keeps its state and
+        follows the commits, and the committed nodes it has not computed wait in `unseen`). Speculation again
+        -> they rejoin: the draft (prefilling the prompt first if it never saw it) catches up in the next
+        round."""
+        choice = self.sizer.choice
+        if not choice.speculates:
+            for rid in self.trees:
+                if rid not in self.plain:
+                    self.plain.add(rid)
+                    self.pending.pop(rid, None)
+            self._dispatch()              # a request waiting for its draft round goes in now, plain
+            return
+        self.width, self.topk = choice.width, choice.topk
+        self.rounds = 1 if self.policy == "layer" else choice.rounds
+        for rid in self.pending:          # fewer rounds now: none is due beyond them
+            self.pending[rid] = min(self.pending[rid], self.rounds)
+        for rid in self.plain:
+            self.pending[rid] = self.rounds
+            if rid not in self.begun and self.requests[rid].generated:   # its commits, after its prefill
+                state = self.requests[rid]
+                nodes = state.committed[len(state.request.prompt_ids):]
+                self.draft_ops.append(DraftOp(OpKind.COMMIT, rid, tuple(nodes), tuple(state.generated)))
+        self.plain.clear()
+        self._dispatch()
 
     # -- verification -------------------------------------------------------------------------------
     def _verify(self, state: RequestState, tree: TokenTree) -> bool:
         """Commit as far as the known target tokens allow. Returns False when the request finished."""
         rid = state.request.request_id
         rejection = self._rejection(state)
-        while (target := tree.root_node.target_next) is not None and \
-                (not rejection or tree.target_p.get(tree.root) is not None):
-            child, token = self._decide(state, tree) if rejection else (tree.matching_child(tree.root, target), target)
+        while (target := tree.root_node.target_next) is not None:
+            # by rejection where the root's distribution came back; a root injected while the request was plain
+            # (no distributions asked) is verified by the target's own draw, as `match` does: lossless too
+            if rejection and tree.target_p.get(tree.root) is not None:
+                child, token = self._decide(state, tree)
+            else:
+                child, token = tree.matching_child(tree.root, target), target
+            plain = rid in self.plain     # no speculation: the target's token is the next root, no miss
+            if self.sizer is not None and not plain:
+                self.sizer.observe_root(*tree.root_rank(token))
             if child is not None:
                 state.count("hits")
                 pruned = tree.commit(child)
                 node = child
             else:
-                state.count("misses")
-                self.miss_batch[rid] = self._next_batch
-                root = tree.root_node
-                # (with rejection an injected child outside the verified prefix may carry the token: cold restart)
-                same = [c for c in root.children if tree.nodes[c].token == token]
-                proposed = next((c for c in same if not tree.nodes[c].injected), None)
-                carried = bool(same)
-                state.count("misses_proposed_not_injected" if carried else "misses_not_proposed")
+                root, proposed = tree.root_node, None
+                if plain:
+                    state.count("plain_tokens")   # the target's token, with no speculation to check
+                else:
+                    state.count("misses")
+                    self.miss_batch[rid] = self._next_batch
+                    # (with rejection an injected child outside the verified prefix may carry the token: cold
+                    # restart)
+                    same = [c for c in root.children if tree.nodes[c].token == token]
+                    proposed = next((c for c in same if not tree.nodes[c].injected), None)
+                    state.count("misses_proposed_not_injected" if same else "misses_not_proposed")
                 if proposed is not None and self.policy != "layer":
                     state.count("warm_restarts")
                     node, pruned = proposed, tree.reroot(proposed)
@@ -192,11 +295,12 @@ class SpecPipeScheduler(BatchingScheduler):
                         self.unseen.setdefault(rid, []).append(DraftNode(root.id, state.root_parent, root.depth,
                                                                          root.token))
                     node, pruned = tree.restart(token)
-                if self.policy != "layer" and not tree.root_node.expanded:
+                if self.policy != "layer" and not tree.root_node.expanded and not plain:
                     self.pending[rid] = self.rounds           # the draft expands the new root before it goes in
-            if pruned.expanded:
-                self.draft_ops.append(DraftOp(OpKind.PRUNE, rid, tuple(pruned.expanded)))
-            self.draft_ops.append(DraftOp(OpKind.COMMIT, rid, (node,), (token,)))
+            if not plain or rid in self.begun:    # (a request the draft never held: told when it rejoins)
+                if pruned.expanded:
+                    self.draft_ops.append(DraftOp(OpKind.PRUNE, rid, tuple(pruned.expanded)))
+                self.draft_ops.append(DraftOp(OpKind.COMMIT, rid, (node,), (token,)))
             if not self._commit(state, [node], [token], prune=pruned.injected):
                 return False
             if child is None:
@@ -255,7 +359,10 @@ class SpecPipeScheduler(BatchingScheduler):
             else:
                 nodes = tree.to_expand(width, limit, state.request.eos_ids, spine_lead=lead)
             self._ask(job, rid, nodes.tolist())
-        return job if job.ops or job.begin or job.expand else None
+        if job.ops or job.begin or job.expand:
+            return job
+        self._dispatch()                  # nothing to compute: the rounds counted down may free a request
+        return None
 
     def _ask(self, job: DraftJob, rid: str, nodes: list[int]) -> None:
         """Add the expansion of these tree nodes to the job (behind the committed nodes the draft has not
@@ -277,6 +384,8 @@ class SpecPipeScheduler(BatchingScheduler):
         self._dispatch()
 
     def _apply(self, job: DraftJob, results: DraftResults) -> None:
+        if self.sizer is not None and job.expand and not job.begin and not results.errors:
+            self.sizer.observe_draft(sum(len(nodes) for _, nodes in job.expand), results.compute_ms)
         weights = {rid: len(prompt) for rid, prompt, *_ in job.begin}
         for rid, nodes in job.expand:
             weights[rid] = weights.get(rid, 0) + len(nodes)

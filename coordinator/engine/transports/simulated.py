@@ -31,9 +31,10 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.batch import MicroBatch
+from services.batch import MicroBatch, StageTrace
 from services.runner import StageRunner
 
+from coordinator.core.drafts.job import DraftResults
 from coordinator.core.schedulers.base import Broadcast, Emit, Finish, Inject, Request, Scheduler
 from coordinator.engine.meter import StepMeter, timed
 
@@ -115,6 +116,7 @@ class SimulatedPipeline:
         self.steps = StepMeter()
         waiting = deque(requests[clients:] if clients else [])
         arrivals: list[float] = []          # finish times at which the next waiting request arrives
+        sent_at: dict[int, float] = {}      # micro-batch id -> when it was injected (for its trip_ms)
 
         def push(t: float, kind: str, payload) -> None:
             heapq.heappush(events, (t, next(seq), kind, payload))
@@ -122,6 +124,7 @@ class SimulatedPipeline:
         def dispatch(t: float, actions: list) -> None:
             for action in actions:
                 if isinstance(action, Inject):
+                    sent_at[getattr(action.batch, "batch_id", None)] = t
                     push(t + self.hop_ms, "arrive", (0, action.batch))
                 elif isinstance(action, Broadcast):
                     for r in self.runners:             # control reaches every stage at once
@@ -140,6 +143,7 @@ class SimulatedPipeline:
         work_due = False            # a "work" event is queued
 
         concurrent = getattr(scheduler, "drafts_beside", False)   # the draft runs beside the coordinator
+        charge = getattr(scheduler, "charge_control", None)       # (test doubles may have none)
         draft_free = 0.0                               # when the draft (its own resource) is idle again
         drafting = False                               # a job is on the draft
 
@@ -149,6 +153,8 @@ class SimulatedPipeline:
             (out, actions), control, _ = timed(lambda: (fn(*args), scheduler.poll()), draft=draft)
             spent = self._draft_spent(before, self._draft_counters(draft))
             control *= self.control_scale
+            if charge is not None:                     # as the engine does: the requests' stats, the cost rule
+                charge(control)
             self.steps.add(control, spent, result=result)
             self.control_ms += control
             self.draft_ms += spent
@@ -189,6 +195,8 @@ class SimulatedPipeline:
             self.steps.add(0.0, spent)
             self.draft_ms += spent
             drafting, draft_free = True, max(t, draft_free) + spent
+            if isinstance(results, DraftResults):      # the scheduler sees the draft's modelled time
+                results.compute_ms = spent
             push(draft_free, "drafted", (job, results))
             return t
 
@@ -225,8 +233,10 @@ class SimulatedPipeline:
             if i < len(self.runners):
                 result = self.runners[i].step(batch)
                 rows = result.trace[-1].rows_computed
+                result.trace[-1].compute_ms = self.stage_ms[0] + self.stage_ms[1] * rows   # the modelled step
             else:                                      # a timing-only stage
                 result, rows = batch, batch.rows
+                result.trace.append(StageTrace(i, rows, rows, self.stage_ms[0] + self.stage_ms[1] * rows))
             push(t + self.stage_ms[0] + self.stage_ms[1] * rows, "done", (i, result))
 
         while events and live:
@@ -243,6 +253,7 @@ class SimulatedPipeline:
                 if queues[i]:
                     start(i, t)
             elif kind == "result":
+                payload.trip_ms, payload.arrived_ms = t - sent_at.pop(getattr(payload, "batch_id", None), t), t
                 coord_free = handle(max(t, coord_free), scheduler.on_result, payload, result=True)
                 admit(coord_free)
             elif kind == "work":

@@ -15,6 +15,7 @@ from coordinator.core.drafts.job import DraftJob, DraftResults
 from coordinator.core.drafts.model import ModelDraft, quantized_copy
 from coordinator.core.schedulers.base import Broadcast, Emit, Finish, Inject, Request
 from coordinator.core.schedulers.specpipe import SpecPipeScheduler
+from coordinator.core.sizing import NONE, Choice, Sizer, Sizing
 from helpers.drafts import AlwaysWrong, always_right
 from helpers.leftovers import assert_nothing_left
 from helpers.reference import hf_greedy, prompts, reference_sample
@@ -105,6 +106,59 @@ def test_any_order_of_draft_jobs_results_and_cancels_is_exact(parts, tiny_hf, dr
         assert_nothing_left(sched, runners, drafts[draft])
         assert not sched.draft_ops and not sched.unseen
     finally:                                                  # a failed example leaves nothing to the next
+        for r in reqs:
+            for runner in runners + [drafts[draft].runner]:
+                runner.cache.release(r.request_id)
+
+
+class Scripted(Sizer):
+    """A cost rule that switches, after every result, to whatever the test draws (none included)."""
+
+    def __init__(self, num_stages: int, draw) -> None:
+        super().__init__(num_stages, Sizing.of(0, 0, 0))
+        self.exploring, self.choice, self.draw = False, Choice(4, 3, 2), draw
+
+    def step(self, requests: int = 1) -> Choice:
+        self.choice = self.draw()
+        return self.choice
+
+
+CHOICES = [NONE, Choice(1, 2, 1), Choice(3, 3, 2), Choice(6, 3, 1)]
+
+
+@FUZZ
+@given(draft=st.sampled_from(["quant", "right", "wrong"]), policy=st.sampled_from(["hybrid", "best-first", "layer"]),
+       sampled=st.booleans(), verify=st.sampled_from(["match", "rejection"]), data=st.data())
+def test_the_cost_rule_switching_at_any_result_is_exact(parts, tiny_hf, draft, policy, sampled, verify, data):
+    """Width, topk, rounds or none changing after any result (requests going plain with micro-batches of
+    speculation in flight, plain requests rejoining, the draft catching up on what it never computed), in any
+    order of results and draft jobs: greedy and seeded `match` output stay the target's own, `rejection` ends
+    every request, and nothing is left."""
+    drafts, runners = parts
+    sizer = Scripted(2, lambda: data.draw(st.sampled_from(CHOICES)))
+    sched = SpecPipeScheduler(2, drafts[draft], width=6, policy=policy, topk=3, node_budget=8, rounds=2,
+                              verify=verify, sizer=sizer)
+    d = Driver(sched, runners)
+    k = next(IDS)
+    ps = prompts(3, seed=data.draw(st.integers(0, 6)))
+    sampling = Sampling(temperature=0.8, seed=11) if sampled else Sampling()
+    reqs = [Request(f"z{k}-{i}", p, 8, sampling=sampling if i == 1 else Sampling()) for i, p in enumerate(ps)]
+    try:
+        run(sched, d, reqs, data.draw(st.integers(0, 60)), data)
+        for r in reqs:
+            fin = d.finished[r.request_id]
+            if fin.reason == "cancelled":
+                continue
+            assert fin.reason == "length", fin.error
+            if r.sampling.greedy:
+                assert d.tokens[r.request_id] == hf_greedy(tiny_hf, r.prompt_ids, 8)
+            elif verify == "match":
+                assert d.tokens[r.request_id] == reference_sample(tiny_hf, r.prompt_ids, 8, r.sampling)
+            else:
+                assert len(d.tokens[r.request_id]) == 8
+        assert_nothing_left(sched, runners, drafts[draft])
+        assert not sched.draft_ops and not sched.unseen and not sched.plain
+    finally:
         for r in reqs:
             for runner in runners + [drafts[draft].runner]:
                 runner.cache.release(r.request_id)

@@ -1,0 +1,356 @@
+"""Speculation that sizes itself: the cost rule that picks specpipe's width, topk and draft rounds — or no
+speculation at all (plain pipelining) where speculation cannot pay.
+
+The rule learns online from what the scheduler already sees (it has no clock: times come with the events):
+
+    c(rows)  a stage's step time against the rows of a micro-batch (each result's stage traces: compute plus
+             emulated time), a line fitted over row-count buckets so that a prompt chunk seen once still counts
+    hop      the rest of a round trip, per stage: (trip - the stages' step times) / S (the transport stamps
+             `MicroBatch.trip_ms`)
+    d(rows)  one draft round's time against the rows it expands (`DraftResults.compute_ms`)
+    ctl      the coordinator's own time per pipeline step (`charge_control`, measured by the driver)
+    hit(k)   the chance that the target's token at a root is among the first k children the draft proposed
+             (the rank seen at every verification), and how many children of a root the current width
+             injects (k_now): a width w injects k(w) = k_now * w / w_now of them
+    E_now    committed tokens per request per result at the current width
+
+The model, one request (`Sizer.rate`):
+
+    step(w, r)  = max(c(w) + hop + ctl / S,  r * d(w),  ctl)     the slowest of stages, draft, coordinator
+    tokens(w)   = E_now * f(w) / f(w_now),   f(w) = 1 / (1 + (1 - hit(k(w))) * (S - 1))
+                  (a miss throws away the S - 1 micro-batches behind it)
+    spec rate   = tokens(w) / step(w, r)          none rate = 1 / (S * (c(1) + hop) + ctl_none)
+
+With n requests held (SpecPipe-DB) each takes share = min(w, node_budget // n) rows, a micro-batch carries
+all of them (rows = n * share) and commits n * tokens(share); without speculation a micro-batch carries
+max(1, n / S) rows, min(1, n / S) of them per step.
+
+Worked example, the GPU regime (S = 8, c = 5 + 0.025 * rows ms, hop 0.5, d = 1.5 + 0.005 * rows, ctl 1.5,
+E_now 0.76 at w_now 32, hit(k_now = 4) = 0.98): w = 32, r = 2 -> step = max(5.8 + 0.5 + 0.19, 3.3, 1.5)
+= 6.5 ms, 0.76 tokens -> 8.5 ms per token; none -> 8 * 5.525 = 44.2 ms per token: speculate, wide.
+A CPU with a draft as costly as the whole target (S = 4, c = 28 + 0.5 * rows, d = 112 + 0.5 * rows): any
+width takes step >= d(1) = 112.5 ms for at most E tokens, none 4 * 29.5 = 118 ms per token; with
+E_now = 0.8 -> 140 ms: none.
+
+What it chooses (`Sizer.step`, after every result; `choose` every max(8, 4 S) results):
+
+1. **Explore**: the first EXPLORE results run without speculation, to measure what plain pipelining costs
+   here (on a machine whose stages share cores with the draft the same stages run much faster alone, which
+   the speculating costs would hide); then the largest choice.
+2. **Measured where it ran, modelled where not** (`expected`): a choice that has run long enough is judged
+   by its measured pace (committed tokens per ms between results: `MicroBatch.arrived_ms`); one that has
+   not, by the model, scaled by how the choice in use fares against its own model (`calibration`: what the
+   model leaves out, shared cores, lag, refills).
+3. **Hysteresis**: a change must promise MARGIN more than the choice in use, UNTRIED more when only the model
+   speaks for it. Ties keep the current choice.
+
+Going to none, running requests finish without draft rounds (what is in flight still commits); coming back,
+they rejoin (coordinator/core/schedulers/specpipe.py, `_resize`). Explicitly given values pin (`Sizing`): a
+pinned width is never changed and never dropped to none, and with all three pinned there is no rule. A
+transport without a clock (the in-process driver) leaves the rule at the largest choice after exploring.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+AUTO_WIDTHS = (1, 2, 4, 8, 16, 32)     # the widths the rule tries (up to Sizing.max_width)
+AUTO_MAX = (32, 16, 2)                 # width, topk, draft rounds when not given: the largest the rule picks
+MARGIN = 0.10                          # a change must promise this much more throughput (measured)
+UNTRIED = 0.25                         # ... and this much when the rule's model is all it has
+EVERY = 8                              # results between decisions
+MAX_RANK = 64                          # ranks counted (beyond: "not proposed")
+PACED = 3                              # results measured before a measured pace counts
+EXPLORE = 4                            # results served without speculation first, to measure what that costs
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Speculation settings; width 0 = none (plain pipelining, no draft)."""
+    width: int
+    topk: int
+    rounds: int
+
+    @property
+    def speculates(self) -> bool:
+        return self.width > 0
+
+
+NONE = Choice(0, 0, 0)
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """What the rule may choose: values given by the user are pinned, the others range up to AUTO_MAX.
+
+        Sizing.of(width=0, topk=0, rounds=0)  -> all three chosen by the rule, none allowed
+        Sizing.of(width=8, topk=0, rounds=0)  -> width 8 always; topk and rounds chosen
+    """
+    max_width: int
+    max_topk: int
+    max_rounds: int
+    pin_width: bool = False
+    pin_topk: bool = False
+    pin_rounds: bool = False
+
+    @staticmethod
+    def of(width: int, topk: int, rounds: int) -> "Sizing":
+        """From config values where 0 means "chosen by the rule"."""
+        w, k, r = AUTO_MAX
+        return Sizing(width or w, topk or k, rounds or r, width > 0, topk > 0, rounds > 0)
+
+    @property
+    def auto(self) -> bool:
+        return not (self.pin_width and self.pin_topk and self.pin_rounds)
+
+    @property
+    def largest(self) -> Choice:
+        return Choice(self.max_width, self.max_topk, self.max_rounds)
+
+
+class Ewma:
+    """An exponentially weighted mean; None until the first sample."""
+
+    def __init__(self, alpha: float) -> None:
+        self.alpha, self.value, self.n = alpha, None, 0
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
+        self.n += 1
+
+
+class Line:
+    """y ~ a + b * x, least squares over buckets of x (powers of two), each bucket an exponentially weighted
+    mean: a prefill chunk of 200 rows seen once keeps its say beside a thousand 32-row steps. With a single
+    bucket the line goes through the origin (cost in proportion to rows: the cautious guess).
+
+        line = Line(); line.add(1, 5.0); line.add(32, 5.8)  ->  line(16) = 5.39 (a = 4.97, b = 0.026)
+    """
+
+    def __init__(self, alpha: float = 0.1) -> None:
+        self.alpha = alpha
+        self.buckets: dict[int, tuple[float, float]] = {}      # bucket -> (mean x, mean y)
+        self._fit: tuple[float, float] | None = None            # (a, b), until the next sample
+
+    def add(self, x: float, y: float) -> None:
+        key = int(math.log2(max(x, 1.0)))
+        old = self.buckets.get(key)
+        self.buckets[key] = (x, y) if old is None else \
+            (old[0] + self.alpha * (x - old[0]), old[1] + self.alpha * (y - old[1]))
+        self._fit = None
+
+    @property
+    def known(self) -> bool:
+        return bool(self.buckets)
+
+    def coefficients(self) -> tuple[float, float]:
+        if self._fit is None:
+            self._fit = self._solve()
+        return self._fit
+
+    def _solve(self) -> tuple[float, float]:
+        xs = np.array([v[0] for v in self.buckets.values()])
+        ys = np.array([v[1] for v in self.buckets.values()])
+        if len(xs) < 2:                   # one bucket: through the origin; none: free (unknown)
+            return (0.0, float(ys[0] / max(xs[0], 1.0))) if len(xs) else (0.0, 0.0)
+        mx, my = xs.mean(), ys.mean()
+        b = float(((xs - mx) * (ys - my)).sum() / ((xs - mx) ** 2).sum())
+        if b < 0:                         # noise: the cost does not fall with rows
+            return float(my), 0.0
+        a = float(my - b * mx)
+        if a < 0:                         # nothing is cheaper than free: through the origin instead
+            return 0.0, float((xs * ys).sum() / (xs * xs).sum())
+        return a, b
+
+    def __call__(self, x: float) -> float:
+        a, b = self.coefficients()
+        return a + b * x
+
+
+class Pace:
+    """Committed tokens per ms as measured: fading sums of tokens and of the time between results."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay, self.tokens, self.ms, self.n = decay, 0.0, 0.0, 0
+
+    def add(self, tokens: int, ms: float) -> None:
+        self.tokens = self.decay * self.tokens + tokens
+        self.ms = self.decay * self.ms + ms
+        self.n += 1
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.ms if self.ms > 0 else 0.0
+
+
+class Costs:
+    """What a pipeline step costs in one mode (speculating or not: on a machine whose stages share cores the
+    stages run slower beside the draft than alone)."""
+
+    def __init__(self) -> None:
+        self.stage, self.hop, self.ctl = Line(), Ewma(0.1), Ewma(0.1)
+
+    @property
+    def known(self) -> bool:
+        return self.stage.known and self.hop.n >= 4
+
+
+class Sizer:
+    """Learns the costs (module docstring) and chooses a `Choice` for the pipeline. It outlives requests:
+    one per scheduler (the engine keeps one per method and settings), so what it learnt serves the next
+    request."""
+
+    def __init__(self, num_stages: int, sizing: Sizing, node_budget: int = 32) -> None:
+        self.S, self.sizing, self.node_budget = num_stages, sizing, node_budget
+        self.costs = {True: Costs(), False: Costs()}     # speculating -> its costs
+        self.draft = Line()
+        self.tokens, self.k_now = Ewma(0.05), Ewma(0.1)
+        # fading counts of the target's rank among the proposals (MAX_RANK: not proposed), from a prior of
+        # two observations: one spread over the ranks as 1/2, 1/4, ..., one not proposed
+        self.ranks = np.append(0.5 ** np.arange(1, MAX_RANK + 1), 1.0)
+        self.every = max(EVERY, 4 * num_stages)   # results between decisions: a miss costs S of them
+        self.paces: dict[Choice, Pace] = {}       # what each choice committed per ms, as measured
+        self.w_seen = sizing.max_width            # the width E_now and k_now were measured at (last speculating)
+        # first EXPLORE results without speculation (unless the width is pinned), then the largest choice
+        self.exploring = not sizing.pin_width and sizing.auto
+        self.choice = NONE if self.exploring else sizing.largest
+        self.results = 0                          # results seen (`step`)
+        self._since = 0                           # results since the last decision
+        self.decided = False                      # the rule has chosen at least once
+        self.calibration = 1.0                    # measured / modelled rate of the speculating choice in use
+        self._last: float | None = None           # arrival of the previous result under the current choice
+
+    # -- what the scheduler sees ---------------------------------------------------------------------
+    def observe_stage(self, rows: int, ms: float, speculating: bool = True) -> None:
+        self.costs[speculating].stage.add(rows, ms)
+
+    def observe_hop(self, ms: float, speculating: bool = True) -> None:
+        self.costs[speculating].hop.add(max(ms, 0.0))
+
+    def observe_control(self, ms: float, speculating: bool = True) -> None:
+        self.costs[speculating].ctl.add(ms)
+
+    def observe_result(self, arrived_ms: float, tokens: int) -> None:
+        """A result arrived (the transport's clock; 0: it has none) and `tokens` were committed on it, by
+        all requests: the current choice's pace."""
+        if arrived_ms <= 0:
+            return
+        if self._last is not None and arrived_ms >= self._last:
+            self.paces.setdefault(self.choice, Pace(1 - 1 / self.every)).add(tokens, arrived_ms - self._last)
+        self._last = arrived_ms
+
+    def idle(self) -> None:
+        """No request is running: the time until the next result is not the pipeline's."""
+        self._last = None
+
+    def observe_draft(self, rows: int, ms: float) -> None:
+        self.draft.add(rows, ms)
+
+    def observe_root(self, rank: int, injected: int) -> None:
+        """A verification at a root: the target's token was the draft's `rank`-th child (-1: not proposed);
+        `injected` of the root's children had gone in."""
+        self.ranks *= 0.995
+        self.ranks[rank if 0 <= rank < MAX_RANK else MAX_RANK] += 1
+        self.k_now.add(injected)
+
+    def observe_tokens(self, tokens: int) -> None:
+        """Tokens one speculating request committed on one result."""
+        self.tokens.add(tokens)
+
+    # -- the model -----------------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self.costs[True].known and self.draft.known and self.tokens.n >= 8 and self.ranks.sum() >= 8
+
+    def hit(self, k: float) -> float:
+        """P(the target's token is among the first k proposals)."""
+        p = self.ranks / self.ranks.sum()
+        whole = min(int(k), MAX_RANK)
+        return float(p[:whole].sum() + (k - whole) * (p[whole] if whole < MAX_RANK else 0.0))
+
+    def _f(self, width: int) -> float:
+        w_now = self.w_seen
+        k = min(max((self.k_now.value or 1.0) * width / w_now, 1.0), float(MAX_RANK))
+        return 1.0 / (1.0 + (1.0 - self.hit(k)) * (self.S - 1))
+
+    def measured(self, choice: Choice) -> float | None:
+        """The choice's measured pace, once it has run long enough (none: PACED results; speculating: half
+        the decision interval, as misses come in bursts)."""
+        pace = self.paces.get(choice)
+        need = self.every // 2 if choice.speculates else PACED
+        return pace.rate if pace is not None and pace.n >= need else None
+
+    def expected(self, choice: Choice, requests: int = 1) -> float:
+        """Committed tokens per ms to expect: as measured where the choice has run, else the model —
+        speculating, scaled by what the choice in use achieves against its model (stages, draft and coordinator
+        that share cores, lag, refills: what the model leaves out)."""
+        seen = self.measured(choice)
+        if seen is not None:
+            return seen
+        return self.rate(choice, requests) * (self.calibration if choice.speculates else 1.0)
+
+    def rate(self, choice: Choice, requests: int = 1) -> float:
+        """The model's committed tokens per ms over `requests` requests."""
+        n, S = max(requests, 1), self.S
+        if not choice.speculates:        # its own costs once seen, else the speculating ones without control
+            c = self.costs[False] if self.costs[False].known else self.costs[True]
+            hop, ctl = c.hop.value or 0.0, (c.ctl.value or 0.0) if c is self.costs[False] else 0.0
+            m = max(1.0, n / S)
+            return min(1.0, n / S) * m / max(c.stage(m) + hop + ctl / S, 1e-9)
+        c = self.costs[True]
+        hop, ctl = c.hop.value or 0.0, c.ctl.value or 0.0
+        share = choice.width if n == 1 else min(choice.width, max(1, self.node_budget // n))
+        rows = n * share
+        step = max(c.stage(rows) + hop + ctl / S, choice.rounds * self.draft(rows), ctl)
+        tokens = (self.tokens.value or 0.0) * self._f(share) / self._f(self.w_seen)
+        return n * tokens / max(step, 1e-9)
+
+    def candidates(self) -> list[Choice]:
+        s = self.sizing
+        widths = [s.max_width] if s.pin_width else sorted({w for w in AUTO_WIDTHS if w <= s.max_width} |
+                                                          {s.max_width})
+        rounds = [s.max_rounds] if s.pin_rounds else list(range(s.max_rounds, 0, -1))   # ties: more run-ahead
+        out = [Choice(w, s.max_topk if s.pin_topk else min(s.max_topk, max(4, w)), r)
+               for w in widths for r in rounds]
+        return out if s.pin_width else out + [NONE]
+
+    def step(self, requests: int = 1) -> Choice:
+        """After each result: the choice for what follows. The first EXPLORE results run without speculation
+        (what plain pipelining costs here: where stages share cores with the draft, much less than the same
+        stages beside it), then the largest choice; the rule (`choose`) as soon as it knows enough, then every
+        EVERY results."""
+        self.results += 1
+        if self.exploring:
+            if self.results >= EXPLORE:
+                self.exploring = False
+                self._switch(self.sizing.largest)
+            return self.choice
+        self._since += 1
+        if self._since < self.every and (self.decided or not self.ready):
+            return self.choice
+        self._since = 0
+        return self.choose(requests)
+
+    def choose(self, requests: int = 1) -> Choice:
+        """The best candidate when it beats the current choice by MARGIN (else the current one)."""
+        if not self.ready or not self.sizing.auto:
+            return self.choice
+        self.decided = True
+        seen = self.measured(self.choice)
+        if self.choice.speculates and seen is not None:
+            self.calibration = seen / max(self.rate(self.choice, requests), 1e-9)
+        def score(c: Choice) -> float:           # a change must promise more: more still if never measured
+            margin = 0.0 if c == self.choice else MARGIN if self.measured(c) is not None else UNTRIED
+            return self.expected(c, requests) / (1 + margin)
+
+        best = max([self.choice] + self.candidates(), key=score)
+        if best != self.choice:
+            self._switch(best)
+        return self.choice
+
+    def _switch(self, choice: Choice) -> None:
+        self.choice = choice
+        self.w_seen = choice.width or self.w_seen
+        self._last = None                         # the next interval straddles the change: not counted

@@ -1,0 +1,140 @@
+"""The cost rule (coordinator/core/sizing.py) on hand-computed cases: what it learns from observations, the
+rates its model gives, and what it chooses — wide on a GPU-like profile, none where the draft costs as much as
+the target, measured pace over the model, pinned values kept."""
+from __future__ import annotations
+
+import pytest
+
+from coordinator.core.sizing import EXPLORE, NONE, Choice, Line, Sizer, Sizing
+
+
+def test_a_line_through_two_buckets():
+    line = Line()
+    line.add(1, 5.0)
+    line.add(32, 5.8)
+    a, b = line.coefficients()
+    assert a == pytest.approx(5.0 - 0.8 / 31)        # 4.974
+    assert b == pytest.approx(0.8 / 31)              # 0.0258
+    assert line(16) == pytest.approx(a + 16 * b)
+
+
+def test_a_line_with_one_bucket_goes_through_the_origin_and_never_falls():
+    line = Line()
+    line.add(32, 8.0)
+    assert line.coefficients() == (0.0, 0.25)          # in proportion to rows: the cautious guess
+    line.add(2, 9.0)                                   # costs that fall with rows are noise: a flat line
+    assert line.coefficients() == (8.5, 0.0)
+
+
+def test_sizing_of_config_values():
+    s = Sizing.of(0, 0, 0)
+    assert (s.max_width, s.max_topk, s.max_rounds, s.auto) == (32, 16, 2, True)
+    s = Sizing.of(8, 0, 1)
+    assert (s.max_width, s.pin_width, s.pin_topk, s.pin_rounds) == (8, True, False, True)
+    assert not Sizing.of(8, 4, 1).auto
+
+
+def _teach(sizer: Sizer, stage: tuple[float, float], hop: float, draft: tuple[float, float], ctl: float,
+           tokens: float, ranks: list[int], injected: int = 4) -> None:
+    """Observations as a pipeline with these costs (ms) would give them, speculating."""
+    for rows in (1, 32, 256):
+        sizer.observe_stage(rows, stage[0] + stage[1] * rows)
+        sizer.observe_draft(rows, draft[0] + draft[1] * rows)
+    for _ in range(8):
+        sizer.observe_hop(hop)
+        sizer.observe_control(ctl)
+        sizer.observe_tokens(tokens)
+    for rank in ranks:
+        sizer.observe_root(rank, injected)
+
+
+def _gpu() -> Sizer:
+    """The GPU regime: S = 8, stages 5 + 0.025 ms/row, hops 0.5 ms, draft 1.5 + 0.005 ms/row, control 1.5 ms;
+    0.76 tokens per step at width 32; the draft's first child right 9 times in 10, its second the tenth."""
+    sizer = Sizer(8, Sizing.of(0, 0, 0))
+    sizer.exploring, sizer.choice = False, Choice(32, 16, 2)
+    _teach(sizer, (5.0, 0.025), 0.5, (1.5, 0.005), 1.5, 0.76, [0] * 90 + [1] * 10)
+    return sizer
+
+
+def test_the_gpu_profile_rates_by_hand():
+    sizer = _gpu()
+    # w32 r2: step = max(5 + 0.8 + 0.5 + 1.5 / 8, 2 * (1.5 + 0.16), 1.5) = 6.4875 ms; 0.76 tokens (measured here)
+    assert sizer.rate(Choice(32, 16, 2)) == pytest.approx(0.76 / 6.4875)
+    # none: one trip of 8 x (5.025 + 0.5) ms per token (no control time seen without speculation yet)
+    assert sizer.rate(NONE) == pytest.approx(1 / 44.2)
+    # narrower: fewer children per root are injected, the draft's second child is missed more often
+    assert sizer.rate(Choice(4, 4, 2)) < sizer.rate(Choice(32, 16, 2))
+
+
+def test_the_gpu_profile_stays_wide():
+    sizer = _gpu()
+    choice = sizer.choose()
+    assert choice.speculates and choice.width >= 16
+
+
+def test_a_cpu_profile_with_a_draft_as_costly_as_the_target_chooses_none():
+    """S = 4 stages of 28 + 0.5 ms/row, a draft of the whole target (112 + 0.5 ms/row): any speculating step
+    takes at least 112.5 ms for at most 0.8 tokens (>= 140 ms per token); none takes 4 x 29.5 = 118 ms."""
+    sizer = Sizer(4, Sizing.of(0, 0, 0))
+    sizer.exploring, sizer.choice = False, Choice(32, 16, 2)
+    _teach(sizer, (28.0, 0.5), 1.0, (112.0, 0.5), 3.0, 0.8, [0] * 80 + [1] * 10 + [-1] * 10)
+    assert 1 / sizer.rate(NONE) == pytest.approx(118.0)
+    assert max(sizer.rate(c) for c in sizer.candidates() if c.speculates) < sizer.rate(NONE)
+    assert sizer.choose() == NONE
+
+
+def test_a_pinned_width_is_kept_and_never_none():
+    sizer = Sizer(4, Sizing.of(8, 0, 0))
+    assert not sizer.exploring and sizer.choice.width == 8
+    _teach(sizer, (28.0, 0.5), 1.0, (112.0, 0.5), 3.0, 0.8, [0] * 20)
+    assert NONE not in sizer.candidates()
+    assert {c.width for c in sizer.candidates()} == {8}
+    assert sizer.choose().width == 8
+
+
+def test_it_explores_none_first_then_the_largest():
+    sizer = Sizer(8, Sizing.of(0, 0, 0))
+    seen = [sizer.step() for _ in range(EXPLORE)]
+    assert Sizer(8, Sizing.of(0, 0, 0)).choice == NONE
+    assert seen[:-1] == [NONE] * (EXPLORE - 1)
+    assert seen[-1] == sizer.choice == Choice(32, 16, 2)
+
+
+def test_what_ran_is_judged_by_its_measured_pace():
+    """The model says width 32 is best; its measured pace (1 token per 100 ms) is worse than none's (1 per
+    50 ms): none it is."""
+    sizer = _gpu()
+    for t in range(40):
+        sizer.observe_result(100.0 * (t + 1), 1)
+    assert sizer.measured(Choice(32, 16, 2)) == pytest.approx(0.01)
+    sizer.paces[NONE] = type(sizer.paces[Choice(32, 16, 2)])(0.9)
+    for _ in range(5):
+        sizer.paces[NONE].add(1, 50.0)
+    assert sizer.choose() == NONE
+
+
+class Table(Sizer):
+    """A rule whose expectations are given: which choice it moves to, and when."""
+    ready = True
+
+    def __init__(self, expected: dict[Choice, float], measured: set[Choice]) -> None:
+        super().__init__(4, Sizing.of(0, 0, 0))
+        self.exploring, self.choice = False, Choice(32, 16, 2)
+        self.table, self.seen = expected, measured
+
+    def expected(self, choice: Choice, requests: int = 1) -> float:
+        return self.table.get(choice, 0.0)
+
+    def measured(self, choice: Choice) -> float | None:
+        return self.table.get(choice) if choice in self.seen else None
+
+
+@pytest.mark.parametrize("gain, measured, moves", [
+    (1.20, False, False), (1.30, False, True),         # modelled only: must promise 25% more
+    (1.05, True, False), (1.15, True, True),           # measured: 10%
+])
+def test_a_change_must_promise_more(gain, measured, moves):
+    now, other = Choice(32, 16, 2), Choice(8, 8, 1)
+    sizer = Table({now: 1.0, other: gain}, {now, other} if measured else {now})
+    assert sizer.choose() == (other if moves else now)
