@@ -281,7 +281,8 @@ async def cmd_run(args: argparse.Namespace) -> int:
         else:
             print()
             print(summary_line(len(ids), last.finish_reason, stats.get("tokens_per_step", 0.0),
-                               stats.get("tbt_ms", 0.0), stats.get("ttft_ms", 0.0), stats.get("wall_ms", 0.0) / 1e3),
+                               stats.get("tbt_ms", 0.0), stats.get("ttft_ms", 0.0), stats.get("wall_ms", 0.0) / 1e3,
+                               stats.get("sized_width")),
                   file=sys.stderr, flush=True)
         return 0
     finally:
@@ -291,11 +292,14 @@ async def cmd_run(args: argparse.Namespace) -> int:
 
 
 def summary_line(tokens: int, finish_reason: str, tokens_per_step: float, tbt_ms: float, ttft_ms: float,
-                 wall_s: float) -> str:
+                 wall_s: float, sized_width: float | None = None) -> str:
     """The one line `specpipe run` and `specpipe generate` print to stderr after the text (from the final
-    stats: mean time between tokens, time to first token, the server's wall time)."""
+    stats: mean time between tokens, time to first token, the server's wall time; for specpipe sized by its
+    cost rule, the width it ended at or "no speculation")."""
+    rule = "" if sized_width is None else \
+        f", cost rule: {f'width {int(sized_width)}' if sized_width else 'no speculation'}"
     return (f"[{tokens} tokens ({finish_reason or 'unfinished'}), {tokens_per_step:.2f} tokens/step, "
-            f"{tbt_ms:.1f} ms between tokens, first token after {ttft_ms:.0f} ms, {wall_s:.2f} s]")
+            f"{tbt_ms:.1f} ms between tokens, first token after {ttft_ms:.0f} ms, {wall_s:.2f} s{rule}]")
 
 
 async def cmd_local(args: argparse.Namespace) -> int:
@@ -396,7 +400,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         print(flush=True)
         print(summary_line(len(done.token_ids), done.finish_reason, s.tokens_per_step, s.tbt_ms, s.ttft_ms,
-                           s.wall_ms / 1e3), file=sys.stderr, flush=True)
+                           s.wall_ms / 1e3, s.counters.get("sized_width")), file=sys.stderr, flush=True)
     return 0
 
 

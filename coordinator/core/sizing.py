@@ -34,9 +34,10 @@ E_now = 0.8 -> 140 ms: none.
 
 What it chooses (`Sizer.step`, after every result; `choose` every max(8, 4 S) results):
 
-1. **Explore**: the first EXPLORE results run without speculation, to measure what plain pipelining costs
-   here (on a machine whose stages share cores with the draft the same stages run much faster alone, which
-   the speculating costs would hide); then the largest choice.
+1. **Start large, try none**: the largest choice first; once the rule knows enough, unless speculation is
+   predicted EXPLORE times as fast as none, none is tried for a few results, to measure what plain
+   pipelining costs here (where stages share cores with the draft, the same stages run much faster alone,
+   which the speculating costs hide).
 2. **Measured where it ran, modelled where not** (`expected`): a choice that has run long enough is judged
    by its measured pace (committed tokens per ms between results: `MicroBatch.arrived_ms`); one that has
    not, by the model, scaled by how the choice in use fares against its own model (`calibration`: what the
@@ -47,7 +48,7 @@ What it chooses (`Sizer.step`, after every result; `choose` every max(8, 4 S) re
 Going to none, running requests finish without draft rounds (what is in flight still commits); coming back,
 they rejoin (coordinator/core/schedulers/specpipe.py, `_resize`). Explicitly given values pin (`Sizing`): a
 pinned width is never changed and never dropped to none, and with all three pinned there is no rule. A
-transport without a clock (the in-process driver) leaves the rule at the largest choice after exploring.
+transport without a clock (the in-process driver) leaves the rule at the largest choice.
 """
 from __future__ import annotations
 
@@ -63,7 +64,12 @@ UNTRIED = 0.25                         # ... and this much when the rule's model
 EVERY = 8                              # results between decisions
 MAX_RANK = 64                          # ranks counted (beyond: "not proposed")
 PACED = 3                              # results measured before a measured pace counts
-EXPLORE = 4                            # results served without speculation first, to measure what that costs
+EXPLORE = 4.0                          # none is tried unless speculation is predicted this many times as fast
+
+
+def load(requests: int) -> int:
+    """The load bucket of a number of requests held: 1 -> 1, 2..3 -> 2, 4..7 -> 3, 8..15 -> 4, ..."""
+    return max(requests, 1).bit_length()
 
 
 @dataclass(frozen=True)
@@ -211,11 +217,12 @@ class Sizer:
         # two observations: one spread over the ranks as 1/2, 1/4, ..., one not proposed
         self.ranks = np.append(0.5 ** np.arange(1, MAX_RANK + 1), 1.0)
         self.every = max(EVERY, 4 * num_stages)   # results between decisions: a miss costs S of them
-        self.paces: dict[Choice, Pace] = {}       # what each choice committed per ms, as measured
+        # what each choice committed per ms, as measured, by load (requests held, in powers of two: a pace
+        # under 8 clients says nothing of one client's)
+        self.paces: dict[tuple[Choice, int], Pace] = {}
         self.w_seen = sizing.max_width            # the width E_now and k_now were measured at (last speculating)
-        # first EXPLORE results without speculation (unless the width is pinned), then the largest choice
-        self.exploring = not sizing.pin_width and sizing.auto
-        self.choice = NONE if self.exploring else sizing.largest
+        self.choice = sizing.largest
+        self.tried = self.trying = False          # none has been tried (is being tried) by `choose`
         self.results = 0                          # results seen (`step`)
         self._since = 0                           # results since the last decision
         self.decided = False                      # the rule has chosen at least once
@@ -232,13 +239,14 @@ class Sizer:
     def observe_control(self, ms: float, speculating: bool = True) -> None:
         self.costs[speculating].ctl.add(ms)
 
-    def observe_result(self, arrived_ms: float, tokens: int) -> None:
+    def observe_result(self, arrived_ms: float, tokens: int, requests: int = 1) -> None:
         """A result arrived (the transport's clock; 0: it has none) and `tokens` were committed on it, by
-        all requests: the current choice's pace."""
+        the `requests` requests held: the current choice's pace at that load."""
         if arrived_ms <= 0:
             return
         if self._last is not None and arrived_ms >= self._last:
-            self.paces.setdefault(self.choice, Pace(1 - 1 / self.every)).add(tokens, arrived_ms - self._last)
+            pace = self.paces.setdefault((self.choice, load(requests)), Pace(1 - 1 / self.every))
+            pace.add(tokens, arrived_ms - self._last)
         self._last = arrived_ms
 
     def idle(self) -> None:
@@ -275,10 +283,10 @@ class Sizer:
         k = min(max((self.k_now.value or 1.0) * width / w_now, 1.0), float(MAX_RANK))
         return 1.0 / (1.0 + (1.0 - self.hit(k)) * (self.S - 1))
 
-    def measured(self, choice: Choice) -> float | None:
-        """The choice's measured pace, once it has run long enough (none: PACED results; speculating: half
-        the decision interval, as misses come in bursts)."""
-        pace = self.paces.get(choice)
+    def measured(self, choice: Choice, requests: int = 1) -> float | None:
+        """The choice's measured pace at this load, once it has run long enough (none: PACED results;
+        speculating: half the decision interval, as misses come in bursts)."""
+        pace = self.paces.get((choice, load(requests)))
         need = self.every // 2 if choice.speculates else PACED
         return pace.rate if pace is not None and pace.n >= need else None
 
@@ -286,7 +294,7 @@ class Sizer:
         """Committed tokens per ms to expect: as measured where the choice has run, else the model —
         speculating, scaled by what the choice in use achieves against its model (stages, draft and coordinator
         that share cores, lag, refills: what the model leaves out)."""
-        seen = self.measured(choice)
+        seen = self.measured(choice, requests)
         if seen is not None:
             return seen
         return self.rate(choice, requests) * (self.calibration if choice.speculates else 1.0)
@@ -317,32 +325,35 @@ class Sizer:
         return out if s.pin_width else out + [NONE]
 
     def step(self, requests: int = 1) -> Choice:
-        """After each result: the choice for what follows. The first EXPLORE results run without speculation
-        (what plain pipelining costs here: where stages share cores with the draft, much less than the same
-        stages beside it), then the largest choice; the rule (`choose`) as soon as it knows enough, then every
-        EVERY results."""
+        """After each result: the choice for what follows — the rule (`choose`) as soon as it knows enough,
+        then every `every` results, and as soon as a trial of none has been measured."""
         self.results += 1
-        if self.exploring:
-            if self.results >= EXPLORE:
-                self.exploring = False
-                self._switch(self.sizing.largest)
-            return self.choice
         self._since += 1
-        if self._since < self.every and (self.decided or not self.ready):
+        trial_done = self.trying and self.measured(NONE, requests) is not None
+        if self._since < self.every and (self.decided or not self.ready) and not trial_done:
             return self.choice
-        self._since = 0
+        self._since, self.trying = 0, False
         return self.choose(requests)
 
     def choose(self, requests: int = 1) -> Choice:
-        """The best candidate when it beats the current choice by MARGIN (else the current one)."""
+        """The best candidate when it beats the current choice by MARGIN (else the current one). Until none has
+        been measured, it is tried (for PACED results) when speculation is not predicted EXPLORE times as fast:
+        its modelled costs are the speculating ones, which overstate it where stages share cores with the draft."""
         if not self.ready or not self.sizing.auto:
             return self.choice
         self.decided = True
-        seen = self.measured(self.choice)
+        if self.choice.speculates and not self.sizing.pin_width and self.measured(NONE, requests) is None and \
+                not self.tried:
+            best = max(self.expected(c, requests) for c in self.candidates() if c.speculates)
+            if best < EXPLORE * self.rate(NONE, requests):
+                self.tried = self.trying = True
+                self._switch(NONE)
+                return self.choice
+        seen = self.measured(self.choice, requests)
         if self.choice.speculates and seen is not None:
             self.calibration = seen / max(self.rate(self.choice, requests), 1e-9)
         def score(c: Choice) -> float:           # a change must promise more: more still if never measured
-            margin = 0.0 if c == self.choice else MARGIN if self.measured(c) is not None else UNTRIED
+            margin = 0.0 if c == self.choice else MARGIN if self.measured(c, requests) is not None else UNTRIED
             return self.expected(c, requests) / (1 + margin)
 
         best = max([self.choice] + self.candidates(), key=score)

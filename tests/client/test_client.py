@@ -33,7 +33,7 @@ from helpers.wait import wait_until_blocking
 
 ROOT = Path(__file__).resolve().parents[2]
 SUMMARY = re.compile(r"^\[(\d+) tokens \((length|eos|stop)\), [\d.]+ tokens/step, [\d.]+ ms between tokens, "
-                     r"first token after \d+ ms, [\d.]+ s\]$")
+                     r"first token after \d+ ms, [\d.]+ s(, cost rule: (width \d+|no speculation))?\]$")
 
 
 def add_byte_tokenizer(folder: Path) -> None:

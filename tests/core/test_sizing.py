@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.core.sizing import EXPLORE, NONE, Choice, Line, Sizer, Sizing
+from coordinator.core.sizing import NONE, Choice, Line, Pace, Sizer, Sizing
 
 
 def test_a_line_through_two_buckets():
@@ -52,7 +52,6 @@ def _gpu() -> Sizer:
     """The GPU regime: S = 8, stages 5 + 0.025 ms/row, hops 0.5 ms, draft 1.5 + 0.005 ms/row, control 1.5 ms;
     0.76 tokens per step at width 32; the draft's first child right 9 times in 10, its second the tenth."""
     sizer = Sizer(8, Sizing.of(0, 0, 0))
-    sizer.exploring, sizer.choice = False, Choice(32, 16, 2)
     _teach(sizer, (5.0, 0.025), 0.5, (1.5, 0.005), 1.5, 0.76, [0] * 90 + [1] * 10)
     return sizer
 
@@ -77,7 +76,6 @@ def test_a_cpu_profile_with_a_draft_as_costly_as_the_target_chooses_none():
     """S = 4 stages of 28 + 0.5 ms/row, a draft of the whole target (112 + 0.5 ms/row): any speculating step
     takes at least 112.5 ms for at most 0.8 tokens (>= 140 ms per token); none takes 4 x 29.5 = 118 ms."""
     sizer = Sizer(4, Sizing.of(0, 0, 0))
-    sizer.exploring, sizer.choice = False, Choice(32, 16, 2)
     _teach(sizer, (28.0, 0.5), 1.0, (112.0, 0.5), 3.0, 0.8, [0] * 80 + [1] * 10 + [-1] * 10)
     assert 1 / sizer.rate(NONE) == pytest.approx(118.0)
     assert max(sizer.rate(c) for c in sizer.candidates() if c.speculates) < sizer.rate(NONE)
@@ -86,19 +84,39 @@ def test_a_cpu_profile_with_a_draft_as_costly_as_the_target_chooses_none():
 
 def test_a_pinned_width_is_kept_and_never_none():
     sizer = Sizer(4, Sizing.of(8, 0, 0))
-    assert not sizer.exploring and sizer.choice.width == 8
+    assert sizer.choice.width == 8
     _teach(sizer, (28.0, 0.5), 1.0, (112.0, 0.5), 3.0, 0.8, [0] * 20)
     assert NONE not in sizer.candidates()
     assert {c.width for c in sizer.candidates()} == {8}
     assert sizer.choose().width == 8
 
 
-def test_it_explores_none_first_then_the_largest():
-    sizer = Sizer(8, Sizing.of(0, 0, 0))
-    seen = [sizer.step() for _ in range(EXPLORE)]
-    assert Sizer(8, Sizing.of(0, 0, 0)).choice == NONE
-    assert seen[:-1] == [NONE] * (EXPLORE - 1)
-    assert seen[-1] == sizer.choice == Choice(32, 16, 2)
+def test_none_is_tried_then_judged_by_its_measured_pace():
+    """The CPU profile: speculation is not predicted 4x as fast as none, so none is tried; measured at one
+    token per 200 ms (the model said 118), against speculation measured at one per 150 ms: back to
+    speculating."""
+    sizer = Sizer(4, Sizing.of(0, 0, 0))
+    assert sizer.choice == Choice(32, 16, 2)
+    _teach(sizer, (28.0, 0.5), 1.0, (112.0, 0.5), 3.0, 0.8, [0] * 80 + [1] * 10 + [-1] * 10)
+    t = 0.0
+    for _ in range(16):                       # speculating at 150 ms per token
+        t += 150.0
+        sizer.observe_result(t, 1)
+    assert sizer.choose() == NONE and sizer.trying
+    seen = []
+    for _ in range(8):                        # none at 200 ms per token: its trial ends once measured
+        t += 200.0
+        sizer.observe_result(t, 1)
+        seen.append(sizer.step())
+    assert sizer.measured(NONE) == pytest.approx(1 / 200)
+    assert seen[-1].speculates and not sizer.trying   # (the modelled best; width 32 is measured slower)
+    assert sizer.choose().speculates                  # none tried once: not again while its pace says no
+
+
+def test_the_gpu_profile_does_not_try_none():
+    sizer = _gpu()
+    sizer.choose()
+    assert not sizer.tried and sizer.choice.speculates
 
 
 def test_what_ran_is_judged_by_its_measured_pace():
@@ -108,9 +126,10 @@ def test_what_ran_is_judged_by_its_measured_pace():
     for t in range(40):
         sizer.observe_result(100.0 * (t + 1), 1)
     assert sizer.measured(Choice(32, 16, 2)) == pytest.approx(0.01)
-    sizer.paces[NONE] = type(sizer.paces[Choice(32, 16, 2)])(0.9)
+    assert sizer.measured(Choice(32, 16, 2), requests=8) is None      # measured for one request only
+    sizer.paces[NONE, 1] = Pace(0.9)
     for _ in range(5):
-        sizer.paces[NONE].add(1, 50.0)
+        sizer.paces[NONE, 1].add(1, 50.0)
     assert sizer.choose() == NONE
 
 
@@ -120,13 +139,13 @@ class Table(Sizer):
 
     def __init__(self, expected: dict[Choice, float], measured: set[Choice]) -> None:
         super().__init__(4, Sizing.of(0, 0, 0))
-        self.exploring, self.choice = False, Choice(32, 16, 2)
+        self.choice, self.tried = Choice(32, 16, 2), True
         self.table, self.seen = expected, measured
 
     def expected(self, choice: Choice, requests: int = 1) -> float:
         return self.table.get(choice, 0.0)
 
-    def measured(self, choice: Choice) -> float | None:
+    def measured(self, choice: Choice, requests: int = 1) -> float | None:
         return self.table.get(choice) if choice in self.seen else None
 
 

@@ -201,11 +201,11 @@ class SpecPipeScheduler(BatchingScheduler):
     def on_result(self, batch: MicroBatch) -> None:
         if self.sizer is not None:
             self._observe(batch)
-        committed, running = self._committed, bool(self.requests)
+        committed, running = self._committed, len(self.requests)
         super().on_result(batch)
         if self.sizer is not None:
             if running:                   # (results of finished requests still come back: not a pace)
-                self.sizer.observe_result(batch.arrived_ms, self._committed - committed)
+                self.sizer.observe_result(batch.arrived_ms, self._committed - committed, running)
             if not self.requests:
                 self.sizer.idle()
             before = self.sizer.choice

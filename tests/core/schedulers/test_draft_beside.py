@@ -116,7 +116,7 @@ class Scripted(Sizer):
 
     def __init__(self, num_stages: int, draw) -> None:
         super().__init__(num_stages, Sizing.of(0, 0, 0))
-        self.exploring, self.choice, self.draw = False, Choice(4, 3, 2), draw
+        self.choice, self.draw = Choice(4, 3, 2), draw
 
     def step(self, requests: int = 1) -> Choice:
         self.choice = self.draw()
