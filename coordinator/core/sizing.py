@@ -67,9 +67,10 @@ PACED = 3                              # results measured before a measured pace
 EXPLORE = 4.0                          # none is tried unless speculation is predicted this many times as fast
 
 
-def load(requests: int) -> int:
-    """The load bucket of a number of requests held: 1 -> 1, 2..3 -> 2, 4..7 -> 3, 8..15 -> 4, ..."""
-    return max(requests, 1).bit_length()
+def load(requests: float) -> int:
+    """The load level of a (smoothed) number of requests held, log2 rounded: 1 -> 0, 2 -> 1, 3..5 -> 2,
+    6..11 -> 3, ...: 8 clients, whose count dips to 7 between one's finish and its next request, stay at 3."""
+    return round(math.log2(max(requests, 1.0)))
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ class Ewma:
 class Line:
     """y ~ a + b * x, least squares over buckets of x (powers of two), each bucket an exponentially weighted
     mean: a prefill chunk of 200 rows seen once keeps its say beside a thousand 32-row steps. With a single
-    bucket the line goes through the origin (cost in proportion to rows: the cautious guess).
+    bucket the line is flat (the cautious guess: narrowing buys nothing until rows are seen to cost).
 
         line = Line(); line.add(1, 5.0); line.add(32, 5.8)  ->  line(16) = 5.39 (a = 4.97, b = 0.026)
     """
@@ -159,8 +160,8 @@ class Line:
     def _solve(self) -> tuple[float, float]:
         xs = np.array([v[0] for v in self.buckets.values()])
         ys = np.array([v[1] for v in self.buckets.values()])
-        if len(xs) < 2:                   # one bucket: through the origin; none: free (unknown)
-            return (0.0, float(ys[0] / max(xs[0], 1.0))) if len(xs) else (0.0, 0.0)
+        if len(xs) < 2:                   # one bucket: flat (fewer rows are not cheaper without evidence)
+            return (float(ys[0]), 0.0) if len(xs) else (0.0, 0.0)
         mx, my = xs.mean(), ys.mean()
         b = float(((xs - mx) * (ys - my)).sum() / ((xs - mx) ** 2).sum())
         if b < 0:                         # noise: the cost does not fall with rows
@@ -220,6 +221,7 @@ class Sizer:
         # what each choice committed per ms, as measured, by load (requests held, in powers of two: a pace
         # under 8 clients says nothing of one client's)
         self.paces: dict[tuple[Choice, int], Pace] = {}
+        self.held = Ewma(0.1)                     # requests held, smoothed (the load level of a pace)
         self.w_seen = sizing.max_width            # the width E_now and k_now were measured at (last speculating)
         self.choice = sizing.largest
         self.tried = self.trying = False          # none has been tried (is being tried) by `choose`
@@ -228,6 +230,7 @@ class Sizer:
         self.decided = False                      # the rule has chosen at least once
         self.calibration = 1.0                    # measured / modelled rate of the speculating choice in use
         self._last: float | None = None           # arrival of the previous result under the current choice
+        self._skip = 0                            # results still to come of micro-batches of the previous choice
 
     # -- what the scheduler sees ---------------------------------------------------------------------
     def observe_stage(self, rows: int, ms: float, speculating: bool = True) -> None:
@@ -244,8 +247,13 @@ class Sizer:
         the `requests` requests held: the current choice's pace at that load."""
         if arrived_ms <= 0:
             return
+        self.held.add(requests)
+        if self._skip > 0:                # a micro-batch of the choice before: not this one's pace
+            self._skip -= 1
+            self._last = arrived_ms
+            return
         if self._last is not None and arrived_ms >= self._last:
-            pace = self.paces.setdefault((self.choice, load(requests)), Pace(1 - 1 / self.every))
+            pace = self.paces.setdefault((self.choice, load(self.held.value)), Pace(1 - 1 / self.every))
             pace.add(tokens, arrived_ms - self._last)
         self._last = arrived_ms
 
@@ -286,7 +294,7 @@ class Sizer:
     def measured(self, choice: Choice, requests: int = 1) -> float | None:
         """The choice's measured pace at this load, once it has run long enough (none: PACED results;
         speculating: half the decision interval, as misses come in bursts)."""
-        pace = self.paces.get((choice, load(requests)))
+        pace = self.paces.get((choice, load(self.held.value if self.held.n else requests)))
         need = self.every // 2 if choice.speculates else PACED
         return pace.rate if pace is not None and pace.n >= need else None
 
@@ -341,6 +349,9 @@ class Sizer:
         its modelled costs are the speculating ones, which overstate it where stages share cores with the draft."""
         if not self.ready or not self.sizing.auto:
             return self.choice
+        seen = self.measured(self.choice, requests)
+        if self.choice.speculates and seen is None:
+            return self.choice            # the choice in use is judged (and calibrates the model) once measured
         self.decided = True
         if self.choice.speculates and not self.sizing.pin_width and self.measured(NONE, requests) is None and \
                 not self.tried:
@@ -349,8 +360,7 @@ class Sizer:
                 self.tried = self.trying = True
                 self._switch(NONE)
                 return self.choice
-        seen = self.measured(self.choice, requests)
-        if self.choice.speculates and seen is not None:
+        if self.choice.speculates:
             self.calibration = seen / max(self.rate(self.choice, requests), 1e-9)
         def score(c: Choice) -> float:           # a change must promise more: more still if never measured
             margin = 0.0 if c == self.choice else MARGIN if self.measured(c, requests) is not None else UNTRIED
@@ -365,3 +375,4 @@ class Sizer:
         self.choice = choice
         self.w_seen = choice.width or self.w_seen
         self._last = None                         # the next interval straddles the change: not counted
+        self._skip = self.S                       # nor the S results of micro-batches sent before it

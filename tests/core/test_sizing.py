@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.core.sizing import NONE, Choice, Line, Pace, Sizer, Sizing
+from coordinator.core.sizing import NONE, Choice, Line, Pace, Sizer, Sizing, load
 
 
 def test_a_line_through_two_buckets():
@@ -18,10 +18,10 @@ def test_a_line_through_two_buckets():
     assert line(16) == pytest.approx(a + 16 * b)
 
 
-def test_a_line_with_one_bucket_goes_through_the_origin_and_never_falls():
+def test_a_line_with_one_bucket_is_flat_and_never_falls():
     line = Line()
     line.add(32, 8.0)
-    assert line.coefficients() == (0.0, 0.25)          # in proportion to rows: the cautious guess
+    assert line.coefficients() == (8.0, 0.0)           # fewer rows are not cheaper without evidence
     line.add(2, 9.0)                                   # costs that fall with rows are noise: a flat line
     assert line.coefficients() == (8.5, 0.0)
 
@@ -48,6 +48,12 @@ def _teach(sizer: Sizer, stage: tuple[float, float], hop: float, draft: tuple[fl
         sizer.observe_root(rank, injected)
 
 
+def _pace(sizer: Sizer, ms_per_token: float, results: int = 40) -> None:
+    """Results one token apart, `ms_per_token` apart, under the choice in use."""
+    for t in range(results):
+        sizer.observe_result(ms_per_token * (t + 1), 1)
+
+
 def _gpu() -> Sizer:
     """The GPU regime: S = 8, stages 5 + 0.025 ms/row, hops 0.5 ms, draft 1.5 + 0.005 ms/row, control 1.5 ms;
     0.76 tokens per step at width 32; the draft's first child right 9 times in 10, its second the tenth."""
@@ -68,7 +74,10 @@ def test_the_gpu_profile_rates_by_hand():
 
 def test_the_gpu_profile_stays_wide():
     sizer = _gpu()
+    assert sizer.choose() == Choice(32, 16, 2) and not sizer.decided     # not judged before it is measured
+    _pace(sizer, 1 / sizer.rate(sizer.choice))                           # as the model says
     choice = sizer.choose()
+    assert sizer.decided and sizer.calibration == pytest.approx(1.0)
     assert choice.speculates and choice.width >= 16
 
 
@@ -79,6 +88,7 @@ def test_a_cpu_profile_with_a_draft_as_costly_as_the_target_chooses_none():
     _teach(sizer, (28.0, 0.5), 1.0, (112.0, 0.5), 3.0, 0.8, [0] * 80 + [1] * 10 + [-1] * 10)
     assert 1 / sizer.rate(NONE) == pytest.approx(118.0)
     assert max(sizer.rate(c) for c in sizer.candidates() if c.speculates) < sizer.rate(NONE)
+    _pace(sizer, 150.0)
     assert sizer.choose() == NONE
 
 
@@ -98,13 +108,11 @@ def test_none_is_tried_then_judged_by_its_measured_pace():
     sizer = Sizer(4, Sizing.of(0, 0, 0))
     assert sizer.choice == Choice(32, 16, 2)
     _teach(sizer, (28.0, 0.5), 1.0, (112.0, 0.5), 3.0, 0.8, [0] * 80 + [1] * 10 + [-1] * 10)
-    t = 0.0
-    for _ in range(16):                       # speculating at 150 ms per token
-        t += 150.0
-        sizer.observe_result(t, 1)
+    _pace(sizer, 150.0, 16)                   # speculating at 150 ms per token
     assert sizer.choose() == NONE and sizer.trying
+    t = 150.0 * 16
     seen = []
-    for _ in range(8):                        # none at 200 ms per token: its trial ends once measured
+    for _ in range(12):                       # none at 200 ms per token: its trial ends once measured
         t += 200.0
         sizer.observe_result(t, 1)
         seen.append(sizer.step())
@@ -115,6 +123,7 @@ def test_none_is_tried_then_judged_by_its_measured_pace():
 
 def test_the_gpu_profile_does_not_try_none():
     sizer = _gpu()
+    _pace(sizer, 1 / sizer.rate(sizer.choice))
     sizer.choose()
     assert not sizer.tried and sizer.choice.speculates
 
@@ -123,14 +132,22 @@ def test_what_ran_is_judged_by_its_measured_pace():
     """The model says width 32 is best; its measured pace (1 token per 100 ms) is worse than none's (1 per
     50 ms): none it is."""
     sizer = _gpu()
-    for t in range(40):
-        sizer.observe_result(100.0 * (t + 1), 1)
+    _pace(sizer, 100.0)
     assert sizer.measured(Choice(32, 16, 2)) == pytest.approx(0.01)
-    assert sizer.measured(Choice(32, 16, 2), requests=8) is None      # measured for one request only
-    sizer.paces[NONE, 1] = Pace(0.9)
+    sizer.paces[NONE, 0] = Pace(0.9)
     for _ in range(5):
-        sizer.paces[NONE, 1].add(1, 50.0)
+        sizer.paces[NONE, 0].add(1, 50.0)
     assert sizer.choose() == NONE
+
+
+def test_paces_are_kept_by_load_level():
+    assert [load(n) for n in (1, 2, 3, 5, 7, 8, 11, 12)] == [0, 1, 2, 2, 3, 3, 3, 4]
+    sizer = _gpu()
+    _pace(sizer, 100.0)                               # one request
+    for t in range(60):                               # then eight, whose count dips to seven now and then
+        sizer.observe_result(5000.0 + 10.0 * t, 1, requests=7 if t % 4 == 0 else 8)
+    assert sizer.paces[Choice(32, 16, 2), 0].rate == pytest.approx(0.01)
+    assert sizer.measured(Choice(32, 16, 2)) == pytest.approx(0.1, rel=0.05)     # eight's level now
 
 
 class Table(Sizer):
