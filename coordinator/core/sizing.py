@@ -225,7 +225,6 @@ class Sizer:
         self.w_seen = sizing.max_width            # the width E_now and k_now were measured at (last speculating)
         self.choice = sizing.largest
         self.tried = self.trying = False          # none has been tried (is being tried) by `choose`
-        self.results = 0                          # results seen (`step`)
         self._since = 0                           # results since the last decision
         self.decided = False                      # the rule has chosen at least once
         self.calibration = 1.0                    # measured / modelled rate of the speculating choice in use
@@ -335,7 +334,6 @@ class Sizer:
     def step(self, requests: int = 1) -> Choice:
         """After each result: the choice for what follows — the rule (`choose`) as soon as it knows enough,
         then every `every` results, and as soon as a trial of none has been measured."""
-        self.results += 1
         self._since += 1
         trial_done = self.trying and self.measured(NONE, requests) is not None
         if self._since < self.every and (self.decided or not self.ready) and not trial_done:
