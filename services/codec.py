@@ -10,6 +10,7 @@ its raw byte pattern (viewed as uint8), so bfloat16 — which numpy cannot repre
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -57,5 +58,10 @@ def decode_tensor(dtype: str, shape: list[int] | tuple[int, ...], data: bytes,
         raise CodecError(f"tensor of dtype {dtype} and shape {shape} needs {expected} bytes, got {len(data)}")
     if expected == 0:
         return torch.empty(shape, dtype=torch_dtype, device=device)
-    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return raw.view(torch_dtype).reshape(shape).to(device)
+    if torch.device(device).type != "cpu":     # one copy, straight from the message's bytes to the device
+        with warnings.catch_warnings():        # read-only source: the copy to the device is what is kept
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(data, dtype=torch.uint8)
+        return raw.view(torch_dtype).reshape(shape).to(device)
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)     # a writable copy the tensor owns
+    return raw.view(torch_dtype).reshape(shape)

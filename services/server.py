@@ -12,6 +12,7 @@ from protos import stage_pb2, stage_pb2_grpc
 from services.config import MiB, StageConfig
 from services.grpc_server import Server
 from services.logs import configure, get_logger
+from services.memory import tune_allocator
 from services.model.loader import resolve_model, stderr_log
 from services.model.shard import even_split, load_shard
 from services.options import service_parser
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:                 # e.g. a TLS certificate without its CA: refused before loading
         parser.error(str(e))
     configure()
+    tune_allocator()
     asyncio.run(serve(config))
     return 0
 

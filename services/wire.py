@@ -9,9 +9,13 @@ from services.codec import decode_tensor, encode_tensor
 from services.sampling import Sampling
 
 
-def tensor_to_proto(t: torch.Tensor) -> common_pb2.Tensor:
-    dtype, shape, data = encode_tensor(t)
-    return common_pb2.Tensor(dtype=dtype, shape=shape, data=data)
+def tensor_to_proto(t: torch.Tensor, into: common_pb2.Tensor | None = None) -> common_pb2.Tensor:
+    """`t` as a Tensor message, filled in place when `into` (a message's field) is given: the tensor's bytes
+    are copied once into the message, not again by a CopyFrom."""
+    msg = common_pb2.Tensor() if into is None else into
+    msg.dtype, shape, msg.data = encode_tensor(t)
+    msg.shape.extend(shape)
+    return msg
 
 
 def tensor_from_proto(msg: common_pb2.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -27,9 +31,9 @@ def batch_to_proto(b: MicroBatch) -> stage_pb2.MicroBatch:
                          temperature=s.sampling.temperature, top_p=s.sampling.top_p, top_k=s.sampling.top_k,
                          seed=s.sampling.seed)
     if b.hidden is not None:
-        msg.hidden.CopyFrom(tensor_to_proto(b.hidden))
+        tensor_to_proto(b.hidden, into=msg.hidden)
     if b.logprobs is not None:
-        msg.logprobs.CopyFrom(tensor_to_proto(b.logprobs))
+        tensor_to_proto(b.logprobs, into=msg.logprobs)
     for t in b.trace:
         msg.trace.add(stage=t.stage, rows_in=t.rows_in, rows_computed=t.rows_computed,
                       compute_ms=t.compute_ms, wait_ms=t.wait_ms)

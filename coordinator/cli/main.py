@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING, NoReturn
 
 from services.logs import configure
+from services.memory import tune_allocator
 from services.options import add_flag
 
 if TYPE_CHECKING:                       # imported lazily at run time: `specpipe generate` needs no torch
@@ -132,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=BENCH_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     from coordinator.bench.run import main_args
     main_args(p)
+    p = sub.add_parser("bench-hop", help="what one stage hop costs over real gRPC on 127.0.0.1 (encode, wire, "
+                       "decode)")
+    from coordinator.bench.hop import add_arguments as hop_arguments
+    hop_arguments(p)
     sub.add_parser("stage", help="serve one pipeline stage (container entrypoint; see `specpipe stage --help`)",
                    add_help=False)
     sub.add_parser("coordinator", help="serve the public API over stages (container entrypoint; see "
@@ -187,6 +192,10 @@ def _dispatch(argv: list[str]) -> int:
     configure(level=None if args.command == "local" or os.environ.get("SPECPIPE_LOG_LEVEL") else "warning")
     if args.command == "generate":
         return cmd_generate(args)
+    if args.command == "bench-hop":
+        from coordinator.bench.hop import main as hop_main
+        return hop_main(args)
+    tune_allocator()          # run, local, bench host a coordinator; local's stages tune their own
     commands = {"run": cmd_run, "local": cmd_local, "bench": cmd_bench}
     return asyncio.run(commands[args.command](args))
 

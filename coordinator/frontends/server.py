@@ -10,6 +10,7 @@ from grpc_health.v1 import health_pb2
 from protos import generation_pb2, generation_pb2_grpc
 from services.config import MiB
 from services.grpc_server import Server
+from services.memory import tune_allocator
 from services.logs import configure, get_logger
 from services.options import service_parser
 from services.tls import TLSFiles
@@ -187,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port-file", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     configure()
+    tune_allocator()
     asyncio.run(serve(CoordinatorConfig.from_args(args), args.port_file))
     return 0
 

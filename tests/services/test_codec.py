@@ -236,3 +236,27 @@ def test_control_roundtrip(c: Control) -> None:
     msg = control_to_proto(c)
     back = control_from_proto(type(msg).FromString(msg.SerializeToString()))
     assert back == c
+
+
+# -- copies -----------------------------------------------------------------------------------------
+def test_a_decoded_cpu_tensor_owns_writable_memory() -> None:
+    data = struct.pack("<2f", 1.0, -2.0)
+    out = decode_tensor("float32", [2], data)
+    out.add_(1.0)                                  # would be undefined behaviour on the message's bytes
+    assert out.tolist() == [2.0, -1.0] and data == struct.pack("<2f", 1.0, -2.0)
+
+
+def test_decoding_to_another_device_reads_the_bytes_without_a_warning() -> None:
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = decode_tensor("bfloat16", [3, 2], bytes(12), device="meta")   # no CPU copy, no read-only warning
+    assert out.device.type == "meta" and out.dtype == torch.bfloat16 and list(out.shape) == [3, 2]
+
+
+def test_tensor_to_proto_fills_a_field_in_place() -> None:
+    from protos import stage_pb2
+    msg = stage_pb2.MicroBatch(batch_id=1)
+    filled = tensor_to_proto(torch.tensor([[1.0, -2.0]]), into=msg.hidden)
+    assert msg.HasField("hidden") and list(msg.hidden.shape) == [1, 2] and msg.hidden.dtype == "float32"
+    assert msg.hidden.data == struct.pack("<2f", 1.0, -2.0) and filled.data == msg.hidden.data

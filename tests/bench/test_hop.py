@@ -1,0 +1,26 @@
+"""`specpipe bench-hop`: one stage hop over real gRPC between two processes, and its report."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from coordinator.cli.main import main
+
+pytestmark = pytest.mark.grpc
+
+
+def test_bench_hop_reports_every_part_of_a_hop(capsys):
+    assert main(["bench-hop", "--rows", "3", "--hidden", "16", "--dtype", "bfloat16", "--count", "4",
+                 "--warmup", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["rows"], result["hidden"], result["dtype"], result["count"]) == (3, 16, "bfloat16", 4)
+    assert result["bytes"] == 3 * 16 * 2 and result["allocator"] == "tuned"
+    for part in ("encode_ms", "wire_ms", "decode_ms", "hop_ms"):
+        assert 0 <= result[part]["p50"] <= result[part]["p99"], part
+    assert result["hop_ms"]["p99"] >= result["wire_ms"]["p50"]     # a hop holds its wire time
+
+
+def test_bench_hop_refuses_a_hop_without_rows(capsys):
+    assert main(["bench-hop", "--rows", "0"]) != 0
+    assert "--rows and --hidden must be >= 1" in capsys.readouterr().err
