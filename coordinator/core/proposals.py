@@ -21,6 +21,7 @@ class ProposalRows(Sequence):
     tokens: np.ndarray     # [m, k] int64
     logps: np.ndarray      # [m, k] float64, the draft's log-probability of each token (its score)
     counts: np.ndarray     # [m] int64, proposals in each row (<= k)
+    distinct: bool = False  # no row repeats a token (a top-k), so `has_repeats` need not look
 
     @classmethod
     def of(cls, rows: Sequence[Sequence[tuple[int, float]]]) -> "ProposalRows":
@@ -35,9 +36,9 @@ class ProposalRows(Sequence):
 
     @classmethod
     def full(cls, tokens: np.ndarray, logps: np.ndarray) -> "ProposalRows":
-        """Every column of every row is a proposal (a top-k)."""
+        """Every column of every row is a proposal, no row repeating a token (a top-k)."""
         return cls(tokens.astype(np.int64, copy=False), logps.astype(np.float64, copy=False),
-                   np.full(tokens.shape[0], tokens.shape[1], np.int64))
+                   np.full(tokens.shape[0], tokens.shape[1], np.int64), distinct=True)
 
     def valid(self) -> np.ndarray:
         """[m, k] bool: which cells are proposals."""
@@ -46,7 +47,7 @@ class ProposalRows(Sequence):
     def has_repeats(self) -> bool:
         """Some row proposes a token twice."""
         k = self.tokens.shape[1]
-        if k < 2:
+        if k < 2 or self.distinct:
             return False
         filler = -1 - np.arange(k, dtype=np.int64)             # distinct, never a token
         t = np.sort(np.where(self.valid(), self.tokens, filler), axis=1)
@@ -54,7 +55,7 @@ class ProposalRows(Sequence):
 
     def select(self, rows: Sequence[int] | np.ndarray) -> "ProposalRows":
         rows = np.asarray(rows, np.int64)
-        return ProposalRows(self.tokens[rows], self.logps[rows], self.counts[rows])
+        return ProposalRows(self.tokens[rows], self.logps[rows], self.counts[rows], self.distinct)
 
     def __getitem__(self, i):                                   # a row as (token, log-prob) pairs
         if isinstance(i, slice):

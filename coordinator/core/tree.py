@@ -141,6 +141,9 @@ class TokenTree:
             valid = self._first_proposals(parent_ids, rows, valid)
         self.a.expanded[prow] = True
         self.a.asked[prow] = False
+        m, k = rows.tokens.shape
+        if fresh and rows.distinct and (rows.counts == k).all():      # a draft's top-k: every cell is a child
+            return self._add_full(parent_ids, prow, rows)
         total = int(valid.sum())
         if total == 0:
             return np.zeros(0, np.int64)
@@ -163,6 +166,21 @@ class TokenTree:
         else:
             for r, b, sc in zip(prow[got].tolist(), best[got].tolist(), ranked.max(axis=1)[got].tolist()):
                 self._offer_best(r, b, sc)
+        return ids
+
+    def _add_full(self, parent_ids: np.ndarray, prow: np.ndarray, rows: ProposalRows) -> np.ndarray:
+        """The hot path of add_children_many: fresh parents, every cell of every row a distinct child."""
+        m, k = rows.tokens.shape
+        if m * k == 0:
+            return np.zeros(0, np.int64)
+        first = self.new_ids(m * k)
+        if first <= self.a.id[-1]:
+            raise ValueError(f"new node id {first} is not above every live id (last {int(self.a.id[-1])})")
+        ids = np.arange(first, first + m * k, dtype=np.int64)
+        scores = self.a.score[prow][:, None] + rows.logps                    # [m, k] cumulative
+        self.a.append(ids, np.repeat(parent_ids, k), rows.tokens.ravel(), np.repeat(self.a.depth[prow] + 1, k),
+                      scores.ravel())
+        self.a.best_child[prow] = ids[::k] + scores.argmax(axis=1)          # the first best of each row
         return ids
 
     def _offer_best(self, r: int, cand: int, score: float) -> None:

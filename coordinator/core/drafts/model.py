@@ -132,7 +132,7 @@ class ModelDraft(DraftSource):
             for i, nid in enumerate(seg.node_ids):
                 self._q[(seg.request_id, nid)] = q[i]
         return ProposalRows(order.indices.cpu().numpy().astype(np.int64), scores.double().cpu().numpy(),
-                            counts.cpu().numpy().astype(np.int64)), q
+                            counts.cpu().numpy().astype(np.int64), distinct=True), q
 
     @staticmethod
     def _append_extra(seg: Segment, scores: torch.Tensor, out: Proposals,

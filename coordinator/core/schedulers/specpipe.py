@@ -401,9 +401,14 @@ class SpecPipeScheduler(BatchingScheduler):
                 continue
             tree, rows = self.trees[rid], results.proposals[rid]
             first = len(rows) - len(nodes)        # the rows before are committed nodes (`unseen`)
-            live = np.flatnonzero(tree.live(nodes))
-            keep = [nodes[i] for i in live.tolist()]
-            rows = rows.select(live + first) if isinstance(rows, ProposalRows) else [rows[i + first] for i in live]
+            alive = tree.live(nodes)
+            if first or not alive.all():
+                live = np.flatnonzero(alive)
+                keep = [nodes[i] for i in live.tolist()]
+                rows = rows.select(live + first) if isinstance(rows, ProposalRows) else \
+                    [rows[i + first] for i in live]
+            else:
+                keep = nodes
             tree.add_children_many(keep, rows)
             for node_id in keep if rid in results.q else ():
                 tree.q[node_id] = results.q[rid].get(node_id)
