@@ -13,7 +13,7 @@ TORCH_INDEX ?=
 EXTRAS  ?= [test]
 HELM    ?= 1
 
-.PHONY: run test test-fast install install-runtime protos chart lint clean gpu-check
+.PHONY: run test test-fast install install-runtime protos docs chart lint clean gpu-check
 
 install: $(STAMP)
 
@@ -51,6 +51,10 @@ gpu-check: install
 
 protos: install
 	$(BIN)/python protos/gen.py
+
+# docs/cli.md from the argparse parsers (a test fails when the committed file is stale).
+docs: install
+	$(BIN)/python -m coordinator.cli.reference > docs/cli.md
 
 chart: install
 	$(BIN)/helm lint --strict helm/specpipe

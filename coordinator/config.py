@@ -17,8 +17,9 @@ from services.tls import TLSFiles
 
 from coordinator.core.schedulers.registry import TREE_POLICIES, Speculation
 from coordinator.core.verify import VERIFIERS
+from coordinator.core.vocabulary import DraftKind, names
 
-DRAFTS = ("quant", "quant+ngram", "model", "ngram", "none")     # coordinator/core/drafts/factory.py
+DRAFTS = names(DraftKind)
 DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -75,9 +76,17 @@ class CoordinatorConfig(SpecConfig, TLSOptions):
                                               "UNAVAILABLE (0: at once)")
     api_max_message_mb: int = option(4, "largest request message the public gRPC API accepts (stage hops keep "
                                         "--max-message-mb)")
-    api_max_concurrent_rpcs: int = option(512, "RPCs the public gRPC API serves at once; more are refused with "
-                                               "RESOURCE_EXHAUSTED")
+    api_max_concurrent_rpcs: int = option(512, "Generate streams the public gRPC API serves at once, and requests "
+                                               "the HTTP API serves at once; more are refused with "
+                                               "RESOURCE_EXHAUSTED / 429 (health, and gRPC health Watch streams, "
+                                               "at most 8 per client address and 128 in all, are counted apart)")
     http_timeout_s: float = option(30.0, "HTTP API: a request's headers and body must arrive within this")
+    prework_limit: int = option(64, "requests being tokenised or parsed (chat templates, large JSON, /tokenize) at "
+                                    "once, on threads of their own; more are refused with RESOURCE_EXHAUSTED / "
+                                    "429 before their work (per client: --max-per-client)")
+    stream_write_timeout_s: float = option(30.0, "a Generate stream (or an HTTP event stream) whose client takes "
+                                                 "no message for this long (it stopped reading) ends "
+                                                 "(DEADLINE_EXCEEDED) and its request is cancelled")
     max_per_client: int = option(0, "requests one client (its API token, else its address) may have running or "
                                     "queued; more are refused with RESOURCE_EXHAUSTED (0 = no limit)")
     batch_timeout_s: float = option(0.0, "a micro-batch that does not come back within this is a pipeline failure "
@@ -120,9 +129,12 @@ class CoordinatorConfig(SpecConfig, TLSOptions):
             raise ValueError(f"unknown verifier {self.verify!r}; choose from {', '.join(VERIFIERS)}")
         if self.tree_policy not in TREE_POLICIES:
             raise ValueError(f"unknown tree policy {self.tree_policy!r}; choose layer, best-first or hybrid")
-        if self.api_max_message_mb < 1 or self.api_max_concurrent_rpcs < 1 or self.http_timeout_s <= 0:
+        if self.api_max_message_mb < 1 or self.api_max_concurrent_rpcs < 1 or self.http_timeout_s <= 0 or \
+                self.stream_write_timeout_s <= 0:
             raise ValueError("api_max_message_mb and api_max_concurrent_rpcs must be at least 1, "
-                             "http_timeout_s positive")
+                             "http_timeout_s and stream_write_timeout_s positive")
+        if self.prework_limit < 1:
+            raise ValueError("prework_limit must be at least 1")
         if min(self.max_per_client, self.batch_timeout_s, self.drain_timeout_s) < 0:
             raise ValueError("max_per_client, batch_timeout_s and drain_timeout_s must be 0 or more")
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_cap:

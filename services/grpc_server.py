@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections import Counter
 from collections.abc import Awaitable, Callable
+from urllib.parse import unquote
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -13,6 +15,69 @@ from services.logs import get_logger
 from services.malformed import MalformedRequestInterceptor
 
 log = get_logger(__name__)
+
+
+def peer_host(peer: str) -> str:
+    """The host of a gRPC peer (`context.peer()`), as aiohttp's `request.remote` gives it for HTTP.
+
+    >>> peer_host("ipv4:10.0.0.7:50422"), peer_host("ipv6:[::1]:50422"), peer_host("ipv6:%5B::1%5D:50422")
+    ('10.0.0.7', '::1', '::1')
+    >>> peer_host("unix:/tmp/api.sock")
+    'unix:/tmp/api.sock'
+    """
+    peer = unquote(peer)
+    kind, _, address = peer.partition(":")
+    if kind in ("ipv4", "ipv6") and ":" in address:
+        return address.rpartition(":")[0].strip("[]")
+    return peer
+
+
+WATCH_PER_PEER = 8      # health Watch streams one client address may hold open on a server
+WATCH_TOTAL = 128       # and all clients together
+UNARY_ROOM = 64         # calls in progress a server admits beyond its streams (Check, Info, ...)
+
+
+class BoundedHealth(health.aio.HealthServicer):
+    """grpc.health.v1 whose `Watch` streams are bounded, so that nobody can hold a server's capacity with them.
+
+    `Check` is unary and always answers. A `Watch` stream stays open for as long as its client likes and needs
+    no token (health is public), so each one is counted: at most `per_peer` from one client address and `total`
+    in all; one more is refused at once with RESOURCE_EXHAUSTED (the client may poll `Check` instead). `Server`
+    keeps the streams apart from the API's limit on calls in progress (it adds `total` and room for unary
+    calls to it), so held `Watch` streams never refuse a `Generate`.
+
+        health = BoundedHealth(per_peer=2, total=3)
+        # client A opens 2 Watch streams: both stream SERVING; a 3rd from A: RESOURCE_EXHAUSTED
+        # client B opens 1: streams; a 2nd from B: RESOURCE_EXHAUSTED (3 in all); Check from anyone: SERVING
+    """
+    def __init__(self, per_peer: int = WATCH_PER_PEER, total: int = WATCH_TOTAL) -> None:
+        super().__init__()
+        if per_peer < 1 or total < per_peer:
+            raise ValueError(f"Watch limits must be 1 <= per_peer ({per_peer}) <= total ({total})")
+        self.per_peer, self.total = per_peer, total
+        self._watching: Counter[str] = Counter()
+
+    @property
+    def watching(self) -> int:
+        """Watch streams open now."""
+        return sum(self._watching.values())
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
+        peer = peer_host(context.peer())
+        if self._watching[peer] >= self.per_peer:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self.per_peer} health Watch streams from {peer} are open already; close one or "
+                                "poll Check")
+        if self.watching >= self.total:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self.total} health Watch streams are open already; retry later or poll Check")
+        self._watching[peer] += 1
+        try:
+            await super().Watch(request, context)
+        finally:
+            self._watching[peer] -= 1
+            if not self._watching[peer]:
+                del self._watching[peer]
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -43,12 +108,14 @@ class Server:
         """`options` default to `server_options(max_message_bytes)` (the stage hops'); the public API passes
         its own, with `maximum_concurrent_rpcs`; `health_*` are those of the plaintext health port."""
         # undecodable request bytes: INVALID_ARGUMENT, not grpc.aio's UNKNOWN (after any auth check)
+        self.health = BoundedHealth()
+        if maximum_concurrent_rpcs is not None:     # health Watch streams and unary calls come on top
+            maximum_concurrent_rpcs += self.health.total + UNARY_ROOM
         self.server = grpc.aio.server(options=options or server_options(max_message_bytes),
                                       interceptors=[*interceptors, MalformedRequestInterceptor()],
                                       maximum_concurrent_rpcs=maximum_concurrent_rpcs)
         self._health_options = health_options or server_options(64 * 1024)
         self._health_max_rpcs = health_max_rpcs
-        self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = service_names
         reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME],
@@ -61,8 +128,10 @@ class Server:
         """Also serve grpc.health.v1 alone, in plaintext, on host:port: for probes that cannot speak TLS
         (the kubelet's gRPC probes) when the main port requires (mutual) TLS. It reports what the main
         server reports."""
-        self._health_server = grpc.aio.server(options=self._health_options,
-                                              maximum_concurrent_rpcs=self._health_max_rpcs)
+        limit = self._health_max_rpcs
+        self._health_server = grpc.aio.server(   # Watch streams (bounded by the servicer) come on top
+            options=self._health_options,
+            maximum_concurrent_rpcs=None if limit is None else limit + self.health.total)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
         self.health_port = self._health_server.add_insecure_port(f"{host}:{port}")
         if self.health_port == 0:

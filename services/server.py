@@ -1,6 +1,7 @@
 """The stage process: `specpipe stage ...` (or `python -m services.server ...`)."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import signal
@@ -13,6 +14,7 @@ from services.config import MiB, StageConfig
 from services.grpc_server import Server
 from services.logs import configure, get_logger
 from services.memory import tune_allocator
+from services.metrics_http import serve_metrics
 from services.model.loader import resolve_model, stderr_log
 from services.model.shard import even_split, load_shard
 from services.options import service_parser
@@ -45,9 +47,8 @@ async def serve(config: StageConfig) -> None:
         server.bind_health(config.host, config.health_port)
     servicer.start()
     await server.start()
-    if config.metrics_port:
-        from prometheus_client import start_http_server
-        start_http_server(config.metrics_port, addr=config.host)
+    metrics_http = await serve_metrics(config.host, config.metrics_port) if config.metrics_port else None
+    if metrics_http is not None:
         log.info("metrics serving", port=config.metrics_port)
     log.info("stage serving", stage=config.stage, layers=f"{runner.shard.first}:{runner.shard.last}",
              port=port, next_hop=config.next_hop or "coordinator", dtype=config.dtype, device=config.device,
@@ -66,6 +67,8 @@ async def serve(config: StageConfig) -> None:
     finally:
         if watcher is not None:
             watcher.cancel()
+        if metrics_http is not None:
+            await metrics_http.cleanup()
 
 
 async def exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
@@ -92,10 +95,15 @@ EXAMPLES = """examples (a 2-stage pipeline on one machine; then `specpipe coordi
 """
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = service_parser("specpipe stage", "Serve one pipeline stage.", EXAMPLES, "SPECPIPE_STAGE",
                             "SPECPIPE_TLS_CERT")
     StageConfig.add_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         config = StageConfig.from_args(args)

@@ -108,7 +108,15 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     await asyncio.sleep(remaining)
                 out.trace[-1].wait_ms = max(0.0, remaining * 1e3)
             metrics.step(self.config.stage, out.trace[-1], emulated=bool(a_ms or b_ms))
-            return await asyncio.to_thread(batch_to_proto, out)
+            encoded = await asyncio.to_thread(batch_to_proto, out)
+            size, limit = encoded.ByteSize(), self.config.max_message_mb * 1024 * 1024
+            if size > limit:      # no hop would take it: its requests fail now, the pipeline goes on
+                self.log.warning("micro-batch too large to send", batch_id=msg.batch_id, bytes=size, limit=limit)
+                return _rejected(msg, f"stage {self.config.stage}'s output of {batch.rows} rows is {size} bytes, "
+                                      f"above the hop limit of {limit} bytes (--max-message-mb); send the prompt "
+                                      "in smaller chunks (--prefill-chunk)", self.config.stage,
+                                 code=grpc.StatusCode.RESOURCE_EXHAUSTED)
+            return encoded
 
     async def _send_loop(self) -> None:
         """Deliver outputs in order: to the next hop's Forward stream, or to the Results subscriber."""

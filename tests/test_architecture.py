@@ -116,6 +116,7 @@ FORBIDDEN = {
                          "services.servicer", "services.server", "services.grpc_server", "services.wire"),
     "coordinator.engine": ("aiohttp", "coordinator.frontends", "coordinator.cli", "coordinator.bench"),
     "coordinator.frontends": ("coordinator.cli", "coordinator.bench"),
+    "coordinator.bench": ("coordinator.cli",),          # what both need lives below them
     "services": ("coordinator", "client"),
     "client": ("torch", "transformers", "services", "coordinator"),
 }

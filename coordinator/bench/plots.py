@@ -46,6 +46,8 @@ def plot(result: dict, out_dir: str | Path) -> list[Path]:
     fig.savefig(written[-1], dpi=110)
     plt.close(fig)
 
+    if any(r.get("simulated") for r in rows) and len(stages) == 1:
+        written.append(_step_time(plt, rows, out, result["config"].get("hop_ms"), note))
     if len(stages) > 1:
         series: dict[str, list[tuple[int, float]]] = defaultdict(list)
         for r in rows:
@@ -97,3 +99,37 @@ def _level_plots(plt, rows: list[dict], out: Path, note: str, level: str, xlabel
         fig.savefig(written[-1], dpi=110)
         plt.close(fig)
     return written
+
+
+def step_parts(row: dict, hop_ms: float | None) -> dict[str, float]:
+    """Where one pipeline step of a simulated row goes, ms: the stage step at the row's mean rows, the hop,
+    the coordinator's control time and the draft's time per step (medians; the draft runs beside the
+    coordinator, so its bar is not added to the others), and the step as measured (time between tokens x
+    decode tokens per step)."""
+    return {"stage": row.get("emulated_stage_ms") or 0.0, "hop": hop_ms or 0.0,
+            "control": row.get("control_ms_per_step_p50") or 0.0, "draft": row.get("draft_ms_per_step_p50") or 0.0,
+            "step": row["tbt_ms_mean"] * (row.get("decode_tokens_per_step") or row["tokens_per_step"])}
+
+
+def _step_time(plt, rows: list[dict], out: Path, hop_ms: float | None, note: str) -> Path:
+    """step_time.png: per variant, the stage + hop + control bar stacked, the draft's bar beside it, and the
+    measured step as a marker."""
+    fig, ax = plt.subplots(figsize=(max(6.5, 1.1 * len(rows)), 4.5))
+    colors = {"stage": "tab:blue", "hop": "tab:gray", "control": "tab:red", "draft": "tab:green"}
+    for i, r in enumerate(rows):
+        parts = step_parts(r, hop_ms)
+        bottom = 0.0
+        for k in ("stage", "hop", "control"):
+            ax.bar(i - 0.18, parts[k], 0.34, bottom=bottom, color=colors[k], label=k if i == 0 else None)
+            bottom += parts[k]
+        ax.bar(i + 0.18, parts["draft"], 0.34, color=colors["draft"], label="draft (beside)" if i == 0 else None)
+        ax.plot([i], [parts["step"]], marker="D", color="black", label="measured step" if i == 0 else None)
+    ax.set_xticks(range(len(rows)), [r["label"] for r in rows], rotation=30, ha="right")
+    ax.set_ylabel("ms per pipeline step (medians)")
+    ax.set_title(f"Where a pipeline step goes\n({note})", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "step_time.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -21,8 +21,8 @@ from services.config import parse_stage_time
 from coordinator.bench.common import (OVERRUN, BenchConfig, Regime, Variant, generate_one, load_prompts,
                                       machine_cores, summarize)
 from coordinator.bench.load import level_name, ratios, run_levels
-from coordinator.config import CoordinatorConfig
-from coordinator.cli.local import LocalStages
+from coordinator.config import DRAFTS, CoordinatorConfig
+from coordinator.engine.local import LocalStages
 from coordinator.core.schedulers.registry import Speculation
 from coordinator.frontends.service import Coordinator
 
@@ -134,7 +134,7 @@ def main_args(p) -> None:
     p.add_argument("--num-prompts", type=int, default=4, help="how many prompts to use (0 = all)")
     p.add_argument("--out", default="bench-out")
     p.add_argument("--model", default="default")
-    p.add_argument("--draft", default="quant", choices=["quant", "quant+ngram", "ngram", "model", "none"])
+    p.add_argument("--draft", default="quant", choices=DRAFTS)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)

@@ -1,5 +1,5 @@
 """`specpipe bench --simulate`: the same schedulers and real model outputs on a simulated clock
-(coordinator/engine/transports/simulated.py), so S in {2, 4, 8, 16, 32} can be swept in minutes on a small machine.
+(coordinator/engine/loops/simulated.py), so S in {2, 4, 8, 16, 32} can be swept in minutes on a small machine.
 
 One in-process runner holds every layer and computes at stage 0; the other stages only take the modelled
 time `a + b * rows`. The draft's work is charged to the coordinator by the draft-time model
@@ -21,7 +21,7 @@ from services.runner import StageRunner
 from coordinator.bench.common import BenchConfig, Variant, load_prompts, poisson_arrivals, summarize
 from coordinator.core.drafts.factory import build_draft
 from coordinator.engine.meter import StepMeter
-from coordinator.engine.transports.simulated import SimulatedPipeline
+from coordinator.engine.loops.simulated import SimulatedPipeline
 from coordinator.core.schedulers.base import Request
 from coordinator.core.schedulers.registry import SpecOptions, make_scheduler
 from coordinator.frontends.service import load_tokenizer

@@ -19,7 +19,7 @@ from services.memory import tune_allocator
 from services.options import add_flag
 
 if TYPE_CHECKING:                       # imported lazily at run time: `specpipe generate` needs no torch
-    from coordinator.cli.local import LocalStages
+    from coordinator.engine.local import LocalStages
     from coordinator.frontends.service import GenerateInput
 
 EXAMPLES = """examples:
@@ -234,7 +234,7 @@ def _input(args: argparse.Namespace) -> GenerateInput:
 
 
 async def _start_local(args: argparse.Namespace) -> tuple[str, LocalStages]:
-    from coordinator.cli.local import LocalStages
+    from coordinator.engine.local import LocalStages
     from coordinator.cli.progress import resolve_with_progress
 
     model = await asyncio.to_thread(resolve_with_progress, args.model)
@@ -318,7 +318,7 @@ async def cmd_local(args: argparse.Namespace) -> int:
 
     model, stages = await _start_local(args)
     supervisor = asyncio.create_task(stages.supervise())      # a stage process that dies is restarted
-    server = coordinator = http = None
+    server = coordinator = http = metrics_http = None
     try:
         config = CoordinatorConfig(stages=tuple(stages.addresses), model=model, host=args.host,
                                    port=args.port, method=args.method, max_active=args.max_active,
@@ -326,8 +326,8 @@ async def cmd_local(args: argparse.Namespace) -> int:
                                    **spec_kwargs(args))
         server, coordinator = await start(config)
         if args.metrics_port:
-            from prometheus_client import start_http_server
-            start_http_server(args.metrics_port, addr=args.host)
+            from services.metrics_http import serve_metrics
+            metrics_http = await serve_metrics(args.host, args.metrics_port)
             print(f"specpipe: metrics at http://{args.host}:{args.metrics_port}/metrics (stage i: port "
                   f"{args.metrics_port} + 1 + i)", file=sys.stderr)
         if args.http_port:
@@ -344,6 +344,8 @@ async def cmd_local(args: argparse.Namespace) -> int:
         print("specpipe: stopping", file=sys.stderr)
         return 0
     finally:
+        if metrics_http is not None:
+            await metrics_http.cleanup()
         if http is not None:
             await http.stop()
         if server is not None:

@@ -45,8 +45,9 @@ import torch
 
 from coordinator.core.proposals import ProposalRows
 from coordinator.core.tree_columns import NO_TOKEN, NodeArrays, NodeTable, NodeView
+from coordinator.core.vocabulary import TreePolicy, names
 
-POLICIES = ("layer", "best-first", "hybrid")
+POLICIES = names(TreePolicy)
 
 
 @dataclass

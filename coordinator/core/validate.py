@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from services.sampling import GREEDY, Sampling
 
+from coordinator.core.vocabulary import Method, names
+
 # Below this, logits / temperature overflows float32 to inf and the warped distribution becomes NaN.
 MIN_TEMPERATURE = 1e-5
 
@@ -21,6 +23,20 @@ class Limits:
     max_position: int              # the model's context length
     default_max_new_tokens: int
     max_new_tokens_cap: int
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What a request asks for besides its prompt, as the client sent it (unchecked): the front ends fill it
+    from their own shapes (coordinator/frontends/service.py `GenerateInput`)."""
+    max_new_tokens: int | None = None     # None: the server's default
+    method: str = ""                      # "": the server's default (`default_method` of `check`)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] | list[str] = ()
+    ignore_eos: bool = False
+    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -48,17 +64,19 @@ def check_prompt_size(prompt: str, token_ids_count: int, limits: Limits) -> None
                              f"{limits.max_position} tokens")
 
 
-def check(prompt_ids: list[int], max_new_tokens: int | None, method: str, methods: list[str],
-          temperature: float, top_p: float, top_k: int, stop: list[str], ignore_eos: bool,
-          limits: Limits, seed: int = 0) -> Params:
+def check(prompt_ids: list[int], asked: Asked, limits: Limits, default_method: str = Method.SPECPIPE.value,
+          methods: tuple[str, ...] | list[str] = names(Method)) -> Params:
     """Validate a request against what the wire and the model can carry; every refusal names the field.
     Sampling: temperature 0 is greedy; top_p 0 reads as 1 (unset); top_k at or above the vocabulary size is
     no limit (0); seed 0 means 'pick one' — the seed used is below 2**53 and reported in the stats, so the
     output can be reproduced.
 
-        check([1, 2], 8, "pp", ["pp"], 0.7, 0.0, 10**12, [], False, Limits(100, 64, 16, 32))
-        -> InvalidRequest("top_k must be at most 2147483647 ...")
+        check([1, 2], Asked(8, "pp", temperature=0.7, top_k=10**12), Limits(100, 64, 16, 32))
+        -> InvalidRequest("top_k must be an integer in [0, 2147483647] (0: no limit), got 1000000000000")
+        check([1, 2], Asked(), Limits(100, 64, 16, 32)).max_new_tokens -> 16 (the default), method "specpipe"
     """
+    max_new_tokens, method, stop = asked.max_new_tokens, asked.method or default_method, list(asked.stop)
+    temperature, top_p, top_k, seed = asked.temperature, asked.top_p, asked.top_k, asked.seed
     if not prompt_ids:
         raise InvalidRequest("empty prompt: give prompt text or prompt_token_ids")
     check_prompt_size("", len(prompt_ids), limits)
@@ -97,7 +115,7 @@ def check(prompt_ids: list[int], max_new_tokens: int | None, method: str, method
         raise InvalidRequest(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {temperature:g}")
     if not sampling.greedy and not seed:
         sampling = Sampling(temperature, top_p, sampling.top_k, secrets.randbelow((1 << 53) - 1) + 1)
-    return Params(list(prompt_ids), n, method, tuple(s for s in stop if s), ignore_eos, sampling)
+    return Params(list(prompt_ids), n, method, tuple(s for s in stop if s), asked.ignore_eos, sampling)
 
 
 def _is_int(x: object) -> bool:

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import torch
 
-VERIFIERS = ("match", "rejection")
+from coordinator.core.vocabulary import Verifier, names
+
+VERIFIERS = names(Verifier)
 
 
 def verify_children(p_logprobs: torch.Tensor, q_logprobs: torch.Tensor | None, children: list[int],

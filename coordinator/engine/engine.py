@@ -15,6 +15,8 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from prometheus_client import Counter
+
 from services.logs import get_logger
 from services.sampling import GREEDY, Sampling
 
@@ -29,6 +31,9 @@ from coordinator.engine.state import REFUSING, RESTARTABLE, EngineState, EngineS
 from coordinator.engine.transports.base import Transport
 
 log = get_logger(__name__)
+INVALID_RESULTS = Counter("specpipe_invalid_results_total", "Results of the last stage that could not answer the "
+                          "micro-batch they came back for (another request's segment, rows not sent, too few tokens, "
+                          "NaN): the batch's requests failed, nothing was applied")
 
 
 class Engine:
@@ -292,8 +297,13 @@ class Engine:
                 batch.arrived_ms = now * 1e3
                 self._requests.account(batch, sent, now)
                 self._requests.returned(batch, now)
+                invalid = sched.invalid_results
                 try:
                     await self._call(sched, sched.on_result, batch)
+                    if sched.invalid_results != invalid:
+                        INVALID_RESULTS.inc()
+                        log.warning("the last stage answered a micro-batch wrongly: its requests failed",
+                                    batch_id=batch.batch_id, fault=sched.last_fault)
                 except Exception as e:     # the scheduler failed on this result: its requests' fault
                     self._fail_requests(sched, [s.request_id for s in batch.segments], e)
         except Exception as e:

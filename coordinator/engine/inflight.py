@@ -2,7 +2,8 @@
 
 Schedulers number their micro-batches themselves; on the wire each gets an engine-wide id, so that several
 schedulers (one per method and speculation settings) share one pipeline. A batch not back within
-`timeout_s` (given, else max(MIN_BATCH_TIMEOUT_S, BATCH_TIMEOUT_FACTOR x the slowest recent round trip)) was
+`timeout_s` (given, else max(MIN_BATCH_TIMEOUT_S, BATCH_TIMEOUT_FACTOR x the 90th percentile of the recent
+round trips: one slow trip does not raise it, a pipeline that stays slow does) was
 lost: a stage dropped it, a stream reset after accepting it, or a compute step hangs.
 
     f = InFlight(); wire = f.sent(sched, batch)     # batch.batch_id 0 (the scheduler's) -> wire id 1
@@ -47,7 +48,9 @@ class InFlight:
         """Seconds a micro-batch may be in flight before it counts as lost."""
         if self.timeout_s > 0:
             return self.timeout_s
-        return max(MIN_BATCH_TIMEOUT_S, BATCH_TIMEOUT_FACTOR * max(self._round_trips, default=0.0))
+        trips = sorted(self._round_trips)
+        typical = trips[int(0.9 * (len(trips) - 1))] if trips else 0.0
+        return max(MIN_BATCH_TIMEOUT_S, BATCH_TIMEOUT_FACTOR * typical)
 
     def sent(self, sched: Scheduler, batch: MicroBatch) -> int:
         """`batch` of `sched` goes on the wire now: renumber it with a wire id (returned)."""

@@ -5,7 +5,7 @@ tree, verification, commits and prunes, the draft's bookkeeping, dispatch) less 
 inside them (its `compute_s`), which has a time model of its own. A *step* is one result handled: a result's
 call and every call after it up to the next result are that step's; calls before the first result
 (admission, the draft's prefill) are the `startup`. The simulated clock charges both to the coordinator
-(coordinator/engine/transports/simulated.py); the engine counts them per request (`control_ms`).
+(coordinator/engine/loops/simulated.py); the engine counts them per request (`control_ms`).
 
     meter = StepMeter()
     out, control_ms, draft_s = timed(sched.on_result, batch, draft=sched_draft)

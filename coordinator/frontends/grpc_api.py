@@ -4,16 +4,19 @@ APIs (this one and coordinator/frontends/openai/api.py) share: who a caller is (
 check that refuses a call before its request is read (`ApiTokenInterceptor`)."""
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
-from urllib.parse import unquote
+from contextlib import aclosing
 
 import grpc
 import structlog
 
 from protos import generation_pb2, generation_pb2_grpc
+from services.grpc_server import peer_host
 from services.logs import get_logger
 
 from coordinator.core.status import Status
@@ -49,19 +52,6 @@ def token_identity(token: str) -> str:
     return "token:" + hashlib.sha256(token.encode()).hexdigest()[:12]
 
 
-def peer_host(peer: str) -> str:
-    """The host of a gRPC peer (`context.peer()`), as aiohttp's `request.remote` gives it for HTTP.
-
-    >>> peer_host("ipv4:10.0.0.7:50422"), peer_host("ipv6:[::1]:50422"), peer_host("ipv6:%5B::1%5D:50422")
-    ('10.0.0.7', '::1', '::1')
-    >>> peer_host("unix:/tmp/api.sock")
-    'unix:/tmp/api.sock'
-    """
-    peer = unquote(peer)
-    kind, _, address = peer.partition(":")
-    if kind in ("ipv4", "ipv6") and ":" in address:
-        return address.rpartition(":")[0].strip("[]")
-    return peer
 
 
 def client_identity(token: str, host: str) -> str:
@@ -70,15 +60,17 @@ def client_identity(token: str, host: str) -> str:
     return token_identity(token) if token else host
 
 
-def serving_state(coordinator: Coordinator) -> tuple[bool, str]:
+def serving_state(coordinator: Coordinator, detail: bool = True) -> tuple[bool, str]:
     """(True, "") when a request submitted now can run (Engine.serving) and the coordinator is not closing;
-    else (False, why). What the health checks of both APIs report."""
+    else (False, why). What the health checks of both APIs report. `detail=False`: the state in general
+    words only, never the engine's own account (it names stage addresses): what anyone may read."""
     engine = coordinator.engine
     if coordinator.closing:
         return False, "the coordinator is shutting down"
     if engine.serving:
         return True, ""
-    return False, engine.why or _NOT_SERVING.get(engine.state, engine.state.value)
+    general = _NOT_SERVING.get(engine.state, engine.state.value)
+    return False, (engine.why or general) if detail else general
 
 
 class ApiTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -119,14 +111,53 @@ _DENY = grpc.stream_stream_rpc_method_handler(_refuse)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    """`token`: the API token in use ("" = open API), which makes every caller the same client."""
+    """`token`: the API token in use ("" = open API), which makes every caller the same client.
 
-    def __init__(self, coordinator: Coordinator, token: str = "") -> None:
+    Bounds, each checked before the request is looked at, each refusal RESOURCE_EXHAUSTED: `max_streams`
+    Generate streams at once (`--api-max-concurrent-rpcs`; health Watch streams are bounded apart,
+    services/grpc_server.py), `max_per_client` of them per client (`--max-per-client`: its token, else its
+    address; 0 = no limit). A stream whose client does not take a message for `write_timeout_s`
+    (`--stream-write-timeout-s`: it stopped reading and the flow-control window is full) ends with
+    DEADLINE_EXCEEDED and its request is cancelled, so a stalled reader holds nothing."""
+
+    def __init__(self, coordinator: Coordinator, token: str = "", max_streams: int | None = None,
+                 max_per_client: int = 0, write_timeout_s: float = 30.0) -> None:
         self.coordinator = coordinator
         self._token = token
+        self.max_streams = max_streams
+        self.max_per_client = max_per_client
+        self.write_timeout_s = write_timeout_s
+        self.streams: Counter[str] = Counter()        # Generate streams open now, per client
 
-    async def Generate(self, request: generation_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        client = client_identity(self._token, peer_host(context.peer()))
+        if self.max_streams is not None and self.streams.total() >= self.max_streams:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self.max_streams} Generate streams are running (--api-max-concurrent-rpcs); "
+                                "retry when one ends")
+        if self.max_per_client and self.streams[client] >= self.max_per_client:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"this client has {self.max_per_client} Generate streams running "
+                                "(--max-per-client); retry when one ends")
+        self.streams[client] += 1
+        messages = self._generate(request, context, client)
+        try:
+            async for msg in messages:
+                try:
+                    await asyncio.wait_for(context.write(msg), self.write_timeout_s)
+                except asyncio.TimeoutError:
+                    log.warning("client stopped reading: stream ended", write_timeout_s=self.write_timeout_s)
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                        f"the client took no message for {self.write_timeout_s} s "
+                                        "(--stream-write-timeout-s); the request was cancelled")
+        finally:
+            await messages.aclose()                    # cancels the request if it still runs
+            self.streams[client] -= 1
+            if not self.streams[client]:
+                del self.streams[client]
+
+    async def _generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
+                        client: str) -> AsyncIterator[generation_pb2.GenerateResponse]:
         rid = uuid.uuid4().hex[:16]
         structlog.contextvars.bind_contextvars(request_id=rid)     # this RPC's task only
         inp = GenerateInput(
@@ -134,10 +165,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             max_new_tokens=request.max_new_tokens if request.HasField("max_new_tokens") else None,
             method=request.method, temperature=request.temperature, top_p=request.top_p or 1.0,
             top_k=request.top_k, seed=request.seed, stop=list(request.stop), ignore_eos=request.ignore_eos,
-            request_id=rid, client=client_identity(self._token, peer_host(context.peer())))
+            request_id=rid, client=client)
         try:
-            async for chunk in self.coordinator.generate(inp):
-                yield to_proto(chunk)
+            async with aclosing(self.coordinator.generate(inp)) as chunks:     # closed with this stream
+                async for chunk in chunks:
+                    yield to_proto(chunk)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except GenerationFailed as e:

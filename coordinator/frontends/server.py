@@ -11,6 +11,7 @@ from protos import generation_pb2, generation_pb2_grpc
 from services.config import MiB
 from services.grpc_server import Server
 from services.memory import tune_allocator
+from services.metrics_http import serve_metrics
 from services.logs import configure, get_logger
 from services.options import service_parser
 from services.tls import TLSFiles
@@ -96,8 +97,9 @@ class ApiServer(Server):
 async def start(config: CoordinatorConfig) -> tuple[ApiServer, Coordinator]:
     coordinator = await Coordinator.connect(config)
     server = ApiServer(config, coordinator)
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(coordinator, config.api_token),
-                                                         server.server)
+    servicer = GenerationServicer(coordinator, config.api_token, config.api_max_concurrent_rpcs,
+                                  config.max_per_client, config.stream_write_timeout_s)
+    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server.server)
     server.bind(config.host, config.port, TLSFiles(config.api_tls_cert, config.api_tls_key).server_credentials())
     if config.health_port:
         server.bind_health(config.host, config.health_port)
@@ -113,7 +115,9 @@ async def start_http(config: CoordinatorConfig, coordinator: Coordinator, port: 
     `--http-timeout-s`). Stop it with `await http.stop()` before closing the coordinator."""
     tls = (config.api_tls_cert, config.api_tls_key) if config.api_tls_cert else None
     http = OpenAIServer(coordinator, model_name=model_name, token=config.api_token, tls=tls, grace_s=config.grace_s,
-                        max_body_bytes=config.api_max_message_mb * MiB, timeout_s=config.http_timeout_s)
+                        max_body_bytes=config.api_max_message_mb * MiB, timeout_s=config.http_timeout_s,
+                        write_timeout_s=config.stream_write_timeout_s,
+                        max_in_progress=config.api_max_concurrent_rpcs)
     await http.start(config.host, config.http_port if port is None else port)
     return http
 
@@ -122,9 +126,8 @@ async def serve(config: CoordinatorConfig, port_file: str = "") -> None:
     server, coordinator = await start(config)
     http = await start_http(config, coordinator) if config.http_port else None
 
-    if config.metrics_port:
-        from prometheus_client import start_http_server
-        start_http_server(config.metrics_port, addr=config.host)
+    metrics_http = await serve_metrics(config.host, config.metrics_port) if config.metrics_port else None
+    if metrics_http is not None:
         log.info("metrics serving", port=config.metrics_port)
     watcher = start_scaling(config, coordinator) if config.k8s_statefulset else None
     log.info("coordinator serving", port=server.port, stages=",".join(config.stages), method=config.method,
@@ -142,6 +145,8 @@ async def serve(config: CoordinatorConfig, port_file: str = "") -> None:
     finally:
         if watcher is not None:
             await asyncio.to_thread(watcher.stop)
+        if metrics_http is not None:
+            await metrics_http.cleanup()
 
 
 def start_scaling(config: CoordinatorConfig, coordinator: Coordinator):
@@ -181,11 +186,16 @@ EXAMPLES = """examples (over the stages of `specpipe stage --help`; then `specpi
 """
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = service_parser("specpipe coordinator", "Serve the public Generate API over a pipeline of stages.",
                             EXAMPLES, "SPECPIPE_STAGES", "SPECPIPE_API_TOKEN")
     CoordinatorConfig.add_arguments(parser)
     parser.add_argument("--port-file", default="", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     configure()
     tune_allocator()

@@ -21,7 +21,7 @@ from coordinator.core.drafts.factory import build_draft
 from coordinator.core.schedulers.registry import METHODS, SpecOptions
 from coordinator.core.status import FinishReason, Status
 from coordinator.core.text import PromptEncoder, TextStream
-from coordinator.core.validate import InvalidRequest, Limits, check, check_prompt_size
+from coordinator.core.validate import Asked, InvalidRequest, Limits, check, check_prompt_size
 from coordinator.engine.engine import Engine
 from coordinator.engine.live import Tokens
 from coordinator.engine.pipeline import Pipelines
@@ -29,6 +29,7 @@ from coordinator.engine.recovery import Recovery
 from coordinator.engine.scaling import release_held
 from coordinator.engine.state import Unavailable
 from coordinator.engine.transports.grpc import GrpcPipeline
+from coordinator.frontends.prework import Prework
 from coordinator.frontends.metrics import RequestMetrics, track
 from coordinator.frontends.openai.defaults import GenerationDefaults, load_generation_defaults
 
@@ -78,6 +79,8 @@ class Coordinator:
         self.config, self.engine = config, engine
         self.num_layers = pipeline.infos[0].num_layers_total
         self.encoder, self.eos_ids, self.limits = encoder, eos_ids, limits
+        # tokenising, templates, JSON: bounded, on threads of their own (not the engine's executor)
+        self.prework = Prework(limit=config.prework_limit, per_client=config.max_per_client)
         # the one owner of the live pipeline; `open_pipeline` looked up at each call (tests replace it)
         self.pipelines: Pipelines[GrpcPipeline] = Pipelines(
             engine, pipeline, lambda addresses: self.open_pipeline(addresses), kv_slots, self.num_layers, config.tls)
@@ -137,6 +140,7 @@ class Coordinator:
             await self.recovery.close()
         await self.engine.close()
         await self.pipelines.close()
+        self.prework.close()
 
     async def open_pipeline(self, addresses: list[str]) -> GrpcPipeline:
         return await _open(self.config, addresses)
@@ -155,8 +159,8 @@ class Coordinator:
                 raise InvalidRequest(str(e)) from None
         else:
             ids = []
-        return check(ids, inp.max_new_tokens, inp.method or self.config.method, list(METHODS),
-                     inp.temperature, inp.top_p, inp.top_k, inp.stop, inp.ignore_eos, self.limits, inp.seed)
+        return check(ids, Asked(inp.max_new_tokens, inp.method, inp.temperature, inp.top_p, inp.top_k, inp.stop,
+                                 inp.ignore_eos, inp.seed), self.limits, self.config.method, METHODS)
 
     def _spec(self, inp: GenerateInput) -> SpecOptions | None:
         return replace(self.engine.spec, **inp.spec_overrides) if inp.spec_overrides else None
@@ -168,7 +172,10 @@ class Coordinator:
                     yield chunk
 
     async def _generate(self, inp: GenerateInput, metrics: RequestMetrics) -> AsyncIterator[Chunk]:
-        params = await asyncio.to_thread(self.prepare, inp)     # tokenising a long prompt is not the loop's work
+        try:                      # tokenising a long prompt is neither the loop's work nor the engine's threads'
+            params = await self.prework.run(inp.client, self.prepare, inp)
+        except Overloaded as e:
+            raise GenerationFailed(str(e), Status.RESOURCE_EXHAUSTED) from None
         eos = frozenset() if params.ignore_eos else self.eos_ids
         try:
             rid, events = await self.engine.submit(params.prompt_ids, params.max_new_tokens, params.method, eos,

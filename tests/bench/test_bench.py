@@ -148,7 +148,7 @@ def test_the_simulated_clock_runs_a_closed_loop_of_clients(tiny_model8, tiny_hf8
     a=10 ms, hop 0.3 ms: one request of 2 tokens takes 2 trips of 2 * 10 + 3 * 0.3 = 20.9 ms)."""
     import torch
 
-    from coordinator.engine.transports.simulated import SimulatedPipeline
+    from coordinator.engine.loops.simulated import SimulatedPipeline
     from coordinator.core.schedulers.pp import PPScheduler
     from coordinator.core.schedulers.base import Request
     from services.model.shard import load_shard
@@ -248,3 +248,16 @@ async def test_bench_request_rate_over_real_stages(tiny_model8, tmp_path):
     files = [tmp_path / "out" / n for n in ("throughput_vs_rate.png", "tbt_vs_rate.png")]
     assert all(f.read_bytes()[:8] == PNG for f in files)
     assert "rate=20/s specpipe" in table(result)
+
+
+def test_a_simulated_run_shows_where_its_step_goes(tmp_path):
+    from coordinator.bench.plots import plot, step_parts
+    row = {"label": "specpipe", "stages": 8, "simulated": True, "tbt_ms_mean": 8.0, "tbt_ms_p90": 9.0,
+           "tokens_per_step": 0.7, "decode_tokens_per_step": 0.8, "emulated_stage_ms": 5.8,
+           "control_ms_per_step_p50": 1.2, "draft_ms_per_step_p50": 3.3}
+    assert step_parts(row, 0.5) == {"stage": 5.8, "hop": 0.5, "control": 1.2, "draft": 3.3, "step": 8.0 * 0.8}
+    files = plot({"config": {"hop_ms": 0.5, "stage_time_ms": "5+0.025", "emulated_stage_time": True},
+                  "rows": [row, {**row, "label": "pp", "control_ms_per_step_p50": 0.05,
+                                 "draft_ms_per_step_p50": None}]}, tmp_path)
+    assert [f.name for f in files] == ["tbt.png", "step_time.png"]
+    assert (tmp_path / "step_time.png").read_bytes().startswith(PNG)

@@ -13,7 +13,7 @@ from coordinator.bench.run import BenchConfig, Variant, summarize, table
 from coordinator.core.drafts.base import DraftNode
 from coordinator.core.schedulers.base import Emit, Finish, Inject, Request
 from coordinator.bench.common import poisson_arrivals
-from coordinator.engine.transports.simulated import SimulatedPipeline
+from coordinator.engine.loops.simulated import SimulatedPipeline
 from services.config import describe_draft_time, parse_draft_time
 
 

@@ -44,10 +44,16 @@ def flag(args: list[str], name: str) -> str:
 
 def test_tls_manifests_are_valid_kubernetes():
     import kubernetes_validate
-    for o in render(*TLS):
+    objs = render(*TLS)
+    kinds = {o["kind"] for o in objs}
+    assert {"StatefulSet", "Deployment", "Certificate", "Service"} <= kinds, f"rendered only {sorted(kinds)}"
+    checked = 0
+    for o in objs:
         if o["apiVersion"].startswith(("monitoring.coreos.com", "cert-manager.io")):
             continue             # CRDs: no schema in kubernetes-validate
         kubernetes_validate.validate(o, K8S_VERSION, strict=True)
+        checked += 1
+    assert checked >= 4, "nothing was validated"
 
 
 def test_tls_reaches_every_pod_and_probes_use_the_health_port():

@@ -24,7 +24,7 @@ import pytest
 
 from helpers.certs import make_ca, make_leaf, write
 from client import AsyncClient, Client, SpecPipeError
-from coordinator.cli.local import free_port
+from coordinator.engine.local import free_port
 from coordinator.config import CoordinatorConfig
 from coordinator.frontends.server import start
 from helpers.reference import hf_greedy

@@ -13,7 +13,7 @@ from coordinator.core.drafts.model import ModelDraft
 from coordinator.core.schedulers.base import Request
 from coordinator.core.schedulers.registry import SpecOptions, make_scheduler
 from coordinator.core.verify import verify_children
-from coordinator.engine.transports.inprocess import InProcessPipeline
+from coordinator.engine.loops.inprocess import InProcessPipeline
 from helpers.reference import reference_sample
 from helpers.shard import make_runners
 from services.model.shard import load_causal_lm

@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.core.validate import InvalidRequest, Limits, Params, check, check_prompt_size
+from coordinator.core.validate import Asked, InvalidRequest, Limits, Params, check, check_prompt_size
 
 LIMITS = Limits(vocab_size=100, max_position=50, default_max_new_tokens=10, max_new_tokens_cap=32)
 METHODS = ["greedy", "spec"]
@@ -16,7 +16,9 @@ def call(**overrides: Any) -> Params:
                                 temperature=0.0, top_p=1.0, top_k=0, stop=[], ignore_eos=False,
                                 limits=LIMITS)
     args.update(overrides)
-    return check(**args)
+    asked = Asked(args["max_new_tokens"], args["method"], args["temperature"], args["top_p"], args["top_k"],
+                  args["stop"], args["ignore_eos"], args.get("seed", 0))
+    return check(args["prompt_ids"], asked, args["limits"], "greedy", args["methods"])
 
 
 @pytest.mark.parametrize("overrides, match", [

@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from coordinator.config import CoordinatorConfig  # noqa: E402
-from coordinator.engine.transports.inprocess import InProcessPipeline  # noqa: E402
-from coordinator.cli.local import LocalStages  # noqa: E402
+from coordinator.engine.loops.inprocess import InProcessPipeline  # noqa: E402
+from coordinator.engine.local import LocalStages  # noqa: E402
 from coordinator.core.schedulers.base import Request  # noqa: E402
 from coordinator.core.schedulers.pp import PPScheduler  # noqa: E402
 from coordinator.core.schedulers.registry import METHODS  # noqa: E402

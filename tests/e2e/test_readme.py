@@ -1,4 +1,5 @@
-"""The README's commands, run as written. A ```bash or ```python block runs when the line before its fence is
+"""The commands of every doc (README.md, docs/*.md, helm/README.md), run as written. A ```bash or ```python
+block runs when the line before its fence is
 
     <!-- readme-test: local -->       it needs a server: runs while ONE shared `specpipe local --stages 2` serves
                                       the README's addresses (gRPC :50051, OpenAI HTTP :8000, metrics :9160). A
@@ -32,7 +33,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-README = ROOT / "README.md"
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "helm" / "README.md"]
 VENV_BIN = ROOT / ".venv" / "bin"
 PYTHON = str(VENV_BIN / "python")
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (VENV_BIN / "specpipe").exists(),
@@ -50,14 +51,19 @@ SUMMARY = (r"^\[\d+ tokens \((length|eos|stop)\), \d+\.\d\d tokens/step, \d+\.\d
 
 @dataclass(frozen=True)
 class Block:
-    line: int            # README line of the opening fence (1-based)
+    doc: str             # the file, relative to the repository root
+    line: int            # its line of the opening fence (1-based)
     lang: str
     kind: str | None     # the marker's kind; None: not run
     source: str
 
     @property
     def name(self) -> str:
-        return f"L{self.line}-{self.lang}"
+        return f"{self.doc.replace('/', '-')}-L{self.line}-{self.lang}"
+
+    @property
+    def where(self) -> str:
+        return f"{self.doc}:{self.line}"
 
 
 # (command, stream, output): when a block's source matches `command`, its stdout or stderr must match `output`
@@ -80,8 +86,8 @@ EXPECTATIONS = (
 )
 
 
-def parse_readme(text: str) -> tuple[list[Block], list[str]]:
-    """Every fenced block with its marker kind, and the problems found with markers."""
+def parse_readme(text: str, doc: str = "README.md") -> tuple[list[Block], list[str]]:
+    """Every fenced block of one doc with its marker kind, and the problems found with markers."""
     blocks, problems, lines = [], [], text.splitlines()
     i = 0
     while i < len(lines):
@@ -89,10 +95,10 @@ def parse_readme(text: str) -> tuple[list[Block], list[str]]:
         if m:
             nxt = FENCE.match(lines[i + 1]) if i + 1 < len(lines) else None
             if nxt is None or not nxt.group("lang"):
-                problems.append(f"README.md:{i + 1}: a readme-test marker must be right before a ```bash or "
+                problems.append(f"{doc}:{i + 1}: a readme-test marker must be right before a ```bash or "
                                 f"```python fence")
             elif m.group("kind") not in KINDS:
-                problems.append(f"README.md:{i + 1}: unknown readme-test kind {m.group('kind')!r} (known: "
+                problems.append(f"{doc}:{i + 1}: unknown readme-test kind {m.group('kind')!r} (known: "
                                 f"{', '.join(KINDS)})")
         f = FENCE.match(lines[i])
         if f:
@@ -101,15 +107,24 @@ def parse_readme(text: str) -> tuple[list[Block], list[str]]:
             kind = prev.group("kind") if prev and prev.group("kind") in KINDS else None
             lang = f.group("lang")
             if kind and lang not in ("bash", "python"):
-                problems.append(f"README.md:{i + 1}: only bash and python blocks can be run, not {lang!r}")
+                problems.append(f"{doc}:{i + 1}: only bash and python blocks can be run, not {lang!r}")
                 kind = None
-            blocks.append(Block(i + 1, lang, kind, "\n".join(lines[i + 1:end])))
+            blocks.append(Block(doc, i + 1, lang, kind, "\n".join(lines[i + 1:end])))
             i = end
         i += 1
     return blocks, problems
 
 
-BLOCKS, PROBLEMS = parse_readme(README.read_text(encoding="utf-8"))
+def parse_docs() -> tuple[list[Block], list[str]]:
+    blocks, problems = [], []
+    for path in DOCS:
+        b, p = parse_readme(path.read_text(encoding="utf-8"), str(path.relative_to(ROOT)))
+        blocks += b
+        problems += p
+    return blocks, problems
+
+
+BLOCKS, PROBLEMS = parse_docs()
 STANDALONE = [b for b in BLOCKS if b.kind == "standalone"]
 LOCAL = [b for b in BLOCKS if b.kind == "local"]
 
@@ -157,7 +172,7 @@ def bash_script(block: Block) -> tuple[str, list[str]]:
             from coordinator.cli.main import build_parser      # the README's flags must exist and match our ports
             parsed = build_parser().parse_args(["local", *args])
             if (parsed.host, parsed.port, parsed.http_port) != ("127.0.0.1", GRPC_PORT, HTTP_PORT):
-                raise ValueError(f"README.md:{block.line + 1 + start}: {command.strip()!r} serves other ports "
+                raise ValueError(f"{block.doc}:{block.line + 1 + start}: {command.strip()!r} serves other ports "
                                  f"than the shared server ({GRPC_PORT}, HTTP {HTTP_PORT})")
             for k in range(start, end):
                 lines[k] = ": # (the shared test server stands in for this line)"
@@ -243,7 +258,7 @@ def run_block(block: Block, tmp: Path) -> None:
     strays = reap(token, wait_s=45.0 if rc == 0 else 0.0)
     stdout, stderr = out_path.read_text(errors="replace"), err_path.read_text(errors="replace")
     numbered = "\n".join(f"  {block.line + k:4d}  {line}" for k, line in enumerate(block.source.splitlines(), 1))
-    where = (f"README.md:{block.line} ({block.kind} {block.lang} block)\n{numbered}\n--- stdout (tail)\n"
+    where = (f"{block.where} ({block.kind} {block.lang} block)\n{numbered}\n--- stdout (tail)\n"
              f"{stdout[-3000:]}\n--- stderr (tail)\n{stderr[-3000:]}")
     if rc != 0:
         pytest.fail(f"exit code {rc} from {where}", pytrace=False)
@@ -253,7 +268,7 @@ def run_block(block: Block, tmp: Path) -> None:
     if problems:
         pytest.fail("\n".join(problems) + f"\nfrom {where}", pytrace=False)
     stood_in = f" (the shared server stood in for {replaced})" if replaced else ""
-    print(f"README.md:{block.line}{stood_in}\n--- stdout (tail)\n{stdout[-1500:]}\n--- stderr\n{stderr[-800:]}")
+    print(f"{block.where}{stood_in}\n--- stdout (tail)\n{stdout[-1500:]}\n--- stderr\n{stderr[-800:]}")
 
 
 def check_output(block: Block, stdout: str, stderr: str) -> list[str]:
@@ -340,7 +355,7 @@ def shared_server(tmp_path_factory):
 
 def test_readme_markers_are_well_formed():
     assert not PROBLEMS, "\n".join(PROBLEMS)
-    assert LOCAL and STANDALONE, "README.md has no blocks marked <!-- readme-test: local|standalone -->"
+    assert LOCAL and STANDALONE, "the docs have no blocks marked <!-- readme-test: local|standalone -->"
     for block in LOCAL:
         if block.lang == "bash":
             bash_script(block)                        # `specpipe local` lines parse and use the shared ports
@@ -359,17 +374,17 @@ def test_parser_finds_markers_and_stand_ins():
     with pytest.raises(ValueError, match="background"):
         local_server_args(".venv/bin/specpipe local --stages 2 &")
     with pytest.raises(ValueError, match="other ports"):
-        bash_script(Block(1, "bash", "local", "specpipe local --port 50052"))
+        bash_script(Block("README.md", 1, "bash", "local", "specpipe local --port 50052"))
 
 
 def test_output_checks_catch_wrong_output():
-    health = Block(1, "bash", "local", "grpcurl -plaintext 127.0.0.1:50051 grpc.health.v1.Health/Check")
+    health = Block("README.md", 1, "bash", "local", "grpcurl -plaintext 127.0.0.1:50051 grpc.health.v1.Health/Check")
     assert check_output(health, '{\n  "status": "SERVING"\n}\n', "") == []
     assert any("SERVING" in p for p in check_output(health, '{\n  "status": "NOT_SERVING"\n}\n', ""))
-    run = Block(1, "bash", "local", '.venv/bin/specpipe run "x" --json')
+    run = Block("README.md", 1, "bash", "local", '.venv/bin/specpipe run "x" --json')
     assert check_output(run, '{"text": "Paris", "token_ids": [1]}\n', "") == []
     assert check_output(run, '{"text": "", "token_ids": []}\n', "") and check_output(run, "", "")
-    gen = Block(1, "bash", "local", '.venv/bin/specpipe generate "Hi"')
+    gen = Block("README.md", 1, "bash", "local", '.venv/bin/specpipe generate "Hi"')
     line = "[12 tokens (eos), 1.71 tokens/step, 19.8 ms between tokens, first token after 95 ms, 0.33 s]"
     assert check_output(gen, "Hello", f"{line}\n") == []
     assert check_output(gen, "Hello", "Traceback (most recent call last):\n" + line)

@@ -10,7 +10,7 @@ import pytest
 
 from coordinator.core.schedulers.base import Request
 from coordinator.core.schedulers.pp import PPScheduler
-from coordinator.engine.transports.inprocess import InProcessPipeline
+from coordinator.engine.loops.inprocess import InProcessPipeline
 from helpers.reference import hf_greedy, prompts
 from helpers.stage_servers import served_coordinator
 from helpers.wait import wait_until, wait_until_empty

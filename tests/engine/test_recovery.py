@@ -1,6 +1,6 @@
 """Stage failure: SIGKILL real stage processes mid-generation; streams pause and go on, exact, exactly once.
 
-The stages are processes as `specpipe local` starts them (coordinator/cli/local.py), supervised (a dead one is
+The stages are processes as `specpipe local` starts them (coordinator/engine/local.py), supervised (a dead one is
 restarted on its port, as Kubernetes restarts a pod); the coordinator serves the public gRPC API.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import signal
 import grpc
 import pytest
 
-from coordinator.cli.local import LocalStages
+from coordinator.engine.local import LocalStages
 from coordinator.config import CoordinatorConfig
 from coordinator.engine.state import EngineState
 from coordinator.frontends.server import start

@@ -131,7 +131,7 @@ async def test_kubectl_scale_of_the_statefulset_is_followed(kmock, tiny_model8, 
 @pytest.mark.grpc
 async def test_repartition_with_stage_processes(tiny_model8, tiny_hf8):
     """The same path over real stage processes (as `specpipe local` starts them): 3 -> 2 -> 3, counted."""
-    from coordinator.cli.local import LocalStages
+    from coordinator.engine.local import LocalStages
     from coordinator.engine.scaling import REPARTITIONS
 
     ok = REPARTITIONS.labels("ok")
@@ -165,7 +165,7 @@ async def test_a_failed_repartition_answers_unavailable_and_can_be_retried(tiny_
         server, coord = await start(CoordinatorConfig(stages=tuple(addrs), model=str(tiny_model8), port=0,
                                                       max_new_tokens_cap=64, default_max_new_tokens=16))
         try:
-            from coordinator.cli.local import free_port
+            from coordinator.engine.local import free_port
             targets = {0: addrs[0], 1: addrs[1], 2: f"127.0.0.1:{free_port()}"}     # nothing listens there
             rep = Repartitioner(coord, lambda i: targets[i])
             import coordinator.engine.scaling as scaling

@@ -206,7 +206,7 @@ async def test_the_per_client_limit_refuses_the_third_request_of_a_client_but_se
             assert sorted(s.coord.engine.admission.client_of.values()) == ["127.0.0.1", "127.0.0.1"]
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 [m async for m in stub.Generate(request([1], 2), timeout=30)]
-            assert err.value.code() == Code.RESOURCE_EXHAUSTED and "limit 2" in err.value.details()
+            assert err.value.code() == Code.RESOURCE_EXHAUSTED and "has 2 Generate streams running (--max-per-client)" in err.value.details()
             body = {"prompt": [9, 10], "max_tokens": 3, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
             async with aiohttp.ClientSession() as h:
                 async with h.post(s.url + "/completions", json=body) as r:
@@ -242,3 +242,156 @@ async def test_with_a_token_the_token_is_the_client(tiny_model):
             finally:
                 for r in streams:
                     r.close()
+
+
+async def test_held_health_watch_streams_never_lock_out_generate_or_check(tiny_model, tiny_hf):
+    """200 Watch streams from one address (the per-address bound, 8, holds them to 8) and the other bounds:
+    Generate still completes exactly and Check answers SERVING on the API port and the health port, although
+    --api-max-concurrent-rpcs is 4. Before the bound, Watch streams counted against that cap."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from services.grpc_server import WATCH_PER_PEER
+    from coordinator.engine.local import free_port
+    async with serving(tiny_model, api_max_concurrent_rpcs=4, health_port=free_port()) as s:
+        async with grpc.aio.insecure_channel(s.grpc_addr) as ch, \
+                grpc.aio.insecure_channel(f"127.0.0.1:{s.server.health_port}") as hch:
+            watches = []
+            for i in range(WATCH_PER_PEER):           # admitted one by one: both ports count together
+                watches.append(health_pb2_grpc.HealthStub(ch if i % 2 else hch).Watch(health_pb2.HealthCheckRequest()))
+                assert (await watches[-1].read()).status == health_pb2.HealthCheckResponse.SERVING
+            more = [health_pb2_grpc.HealthStub(ch if i % 2 else hch).Watch(health_pb2.HealthCheckRequest())
+                    for i in range(200 - WATCH_PER_PEER)]
+            refused = await asyncio.gather(*(grpc_code(w) for w in more))
+            assert set(refused) == {Code.RESOURCE_EXHAUSTED}, "one address holds at most 8 Watch streams"
+            assert s.server.health.watching == WATCH_PER_PEER
+            for c in (ch, hch):
+                check = await health_pb2_grpc.HealthStub(c).Check(health_pb2.HealthCheckRequest(), timeout=10)
+                assert check.status == health_pb2.HealthCheckResponse.SERVING
+            prompt = [5, 6, 7]
+            got = [t async for m in generation_pb2_grpc.GenerationStub(ch).Generate(request(prompt, 6), timeout=60)
+                   for t in m.token_ids]
+            assert got == hf_greedy(tiny_hf, prompt, 6)
+            for w in watches[:WATCH_PER_PEER]:
+                w.cancel()
+            await wait_until(lambda: s.server.health.watching == 0, timeout=10)
+
+
+class WatchContext:
+    """The parts of a grpc.aio.ServicerContext that BoundedHealth.Watch uses."""
+
+    def __init__(self, peer: str) -> None:
+        self._peer, self.sent = peer, []
+
+    def peer(self) -> str:
+        return self._peer
+
+    async def write(self, msg) -> None:
+        self.sent.append(msg.status)
+
+    async def abort(self, code, details: str):
+        raise grpc.aio.AbortError(code, details)
+
+
+async def test_the_watch_bound_counts_per_address_and_all_addresses_together():
+    from grpc_health.v1 import health_pb2
+
+    from services.grpc_server import BoundedHealth
+    health = BoundedHealth(per_peer=2, total=3)
+    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    req = health_pb2.HealthCheckRequest()
+    a = [WatchContext("ipv4:10.0.0.1:1000"), WatchContext("ipv4:10.0.0.1:1001")]
+    held = [asyncio.create_task(health.Watch(req, c)) for c in a]
+    await wait_until(lambda: all(c.sent for c in a), timeout=5)
+    with pytest.raises(grpc.aio.AbortError, match="10.0.0.1"):          # a third from the same address
+        await health.Watch(req, WatchContext("ipv4:10.0.0.1:1002"))
+    held.append(asyncio.create_task(health.Watch(req, b := WatchContext("ipv6:[::2]:7"))))
+    await wait_until(lambda: bool(b.sent), timeout=5)
+    assert health.watching == 3
+    with pytest.raises(grpc.aio.AbortError, match="3 health Watch streams"):   # a fresh address, but 3 in all
+        await health.Watch(req, WatchContext("ipv4:10.0.0.9:5"))
+    held[0].cancel()
+    await asyncio.gather(held[0], return_exceptions=True)
+    assert health.watching == 2
+    held.append(asyncio.create_task(health.Watch(req, c := WatchContext("ipv4:10.0.0.9:5"))))
+    await wait_until(lambda: bool(c.sent), timeout=5)                    # room again
+    for t in held:
+        t.cancel()
+    await asyncio.gather(*held, return_exceptions=True)
+    assert health.watching == 0
+
+
+async def test_an_authorization_header_that_is_not_utf8_is_401_not_500(tiny_model):
+    async with serving(tiny_model, api_token="s3cret") as s:
+        reader, writer = await asyncio.open_connection("127.0.0.1", s.http.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\xc3\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}")
+        await writer.drain()
+        status_line = await asyncio.wait_for(reader.readline(), 10)
+        writer.close()
+        assert status_line.split()[1] == b"401", status_line
+
+
+class StreamContext:
+    """The parts of a grpc.aio.ServicerContext that GenerationServicer.Generate uses; `write` never completes
+    (a client that stopped reading) when `stuck`."""
+
+    def __init__(self, stuck: bool) -> None:
+        self.stuck, self.written = stuck, []
+
+    def peer(self) -> str:
+        return "ipv4:10.0.0.1:999"
+
+    async def write(self, msg) -> None:
+        if self.stuck:
+            await asyncio.Event().wait()
+        self.written.append(msg)
+
+    async def abort(self, code, details: str):
+        raise grpc.aio.AbortError(code, details)
+
+
+class SlowCoordinator:
+    """A Coordinator whose generations yield a chunk every 10 ms until closed; records the closes."""
+
+    def __init__(self) -> None:
+        self.closed = 0
+
+    async def generate(self, inp):
+        from coordinator.frontends.service import Chunk
+        try:
+            while True:
+                yield Chunk([1], "a", request_id=inp.request_id)
+                await asyncio.sleep(0.01)
+        finally:
+            self.closed += 1
+
+
+async def test_a_stream_whose_client_stops_reading_ends_and_its_request_is_closed():
+    from coordinator.frontends.grpc_api import GenerationServicer
+    coord = SlowCoordinator()
+    servicer = GenerationServicer(coord, write_timeout_s=0.2)
+    with pytest.raises(grpc.aio.AbortError, match="took no message for 0.2 s"):
+        await asyncio.wait_for(servicer.Generate(request([5], 4), StreamContext(stuck=True)), 10)
+    assert coord.closed == 1 and not servicer.streams, "the request was cancelled and the slot freed"
+
+
+async def test_generate_streams_are_bounded_in_all_and_per_client_before_any_work():
+    from coordinator.frontends.grpc_api import GenerationServicer
+    coord = SlowCoordinator()
+    servicer = GenerationServicer(coord, max_streams=3, max_per_client=2)
+    first = [asyncio.create_task(servicer.Generate(request([5], 4), StreamContext(stuck=False))) for _ in range(2)]
+    await wait_until(lambda: servicer.streams.total() == 2, timeout=5)
+    with pytest.raises(grpc.aio.AbortError, match="--max-per-client"):
+        await servicer.Generate(request([5], 4), StreamContext(stuck=False))
+    other = StreamContext(stuck=False)
+    other.peer = lambda: "ipv4:10.0.0.2:5"
+    third = asyncio.create_task(servicer.Generate(request([5], 4), other))
+    await wait_until(lambda: servicer.streams.total() == 3, timeout=5)
+    another = StreamContext(stuck=False)
+    another.peer = lambda: "ipv4:10.0.0.3:5"
+    with pytest.raises(grpc.aio.AbortError, match="--api-max-concurrent-rpcs"):
+        await servicer.Generate(request([5], 4), another)
+    for t in [*first, third]:
+        t.cancel()
+    await asyncio.gather(*first, third, return_exceptions=True)
+    assert not servicer.streams and coord.closed == 3

@@ -15,7 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.cli.local import LocalStages, free_port
+from coordinator.engine.local import LocalStages, free_port
 from coordinator.config import CoordinatorConfig
 from coordinator.frontends.server import LIVENESS_SERVICE, SERVICE_NAME, start, start_http
 from helpers.reference import hf_greedy
@@ -110,6 +110,7 @@ async def test_health_says_not_serving_while_a_stage_is_frozen_and_serving_once_
             await probes.wait(DOWN)
             status, body = await probes.get("/health")
             assert body["status"] == "unavailable" and "recovering" in body["reason"]
+            assert "127.0.0.1" not in body["reason"] and ":5" not in body["reason"], "no stage address to anyone"
             os.kill(stages.procs[1].pid, signal.SIGCONT)
             await probes.wait(UP, timeout_s=120)
             assert await generate(coord, [3, 4, 5], 4) == hf_greedy(tiny_hf, [3, 4, 5], 4)

@@ -18,7 +18,7 @@ import torch
 from prometheus_client import start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.cli.local import free_port
+from coordinator.engine.local import free_port
 from coordinator.config import CoordinatorConfig
 from coordinator.core.validate import InvalidRequest
 from coordinator.frontends.metrics import RequestMetrics, outcome_of

@@ -252,3 +252,23 @@ def test_http_port_from_flags_and_environment(monkeypatch):
     assert parse().http_port == 9000
     with pytest.raises(ValueError, match="http_port"):
         CoordinatorConfig(stages=("h:1",), http_port=70000)
+
+
+def test_a_conversation_is_sized_by_every_message_before_its_template_runs():
+    """Before, only `content` was counted: 260K empty `tool` messages passed as a tiny request."""
+    from coordinator.frontends.openai.extras import tokenize
+    rendered = []
+    ctx = ParseContext(("m",), context=64, cap=32, encode=lambda text, special: list(text.encode()),
+                       render=lambda ms, opts: rendered.append(len(ms)) or [1])
+    many_empty = {"messages": [{"role": "tool", "content": ""}] * 1000, "max_tokens": 1}
+    for call in (lambda b: parse_chat(b, ctx), lambda b: tokenize(b, ctx)):
+        with pytest.raises(ApiError) as err:
+            call(many_empty)
+        assert err.value.status == 400 and "cannot fit" in str(err.value)
+    fitting = {"messages": [{"role": "tool", "content": ""}] * 20, "max_tokens": 1}   # 20 x 20 < 64 x 64
+    parse_chat(fitting, ctx)
+    assert rendered == [20], "only the conversation that fits was rendered"
+    with pytest.raises(ApiError, match="cannot fit"):
+        tokenize({"prompt": "x" * (64 * 64 + 1)}, ctx)                # /tokenize sizes a prompt before encoding
+    with pytest.raises(ApiError, match="chat_template_kwargs"):
+        parse_chat({**fitting, "chat_template_kwargs": {"k": "v" * 5000}}, ctx)

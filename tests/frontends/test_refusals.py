@@ -12,6 +12,7 @@ from coordinator.core.validate import Limits
 from coordinator.engine.state import Unavailable
 from coordinator.frontends.grpc_api import grpc_code
 from coordinator.frontends.metrics import outcome_of
+from coordinator.frontends.prework import Prework
 from coordinator.frontends.service import Coordinator, GenerateInput, GenerationFailed
 from helpers.reference import byte_tokenizer
 
@@ -29,6 +30,7 @@ def coordinator(error: Exception) -> Coordinator:
     c = Coordinator.__new__(Coordinator)
     c.config, c.engine = CoordinatorConfig(stages=("unused:1",), method="pp"), RefusingEngine(error)
     c.encoder, c.eos_ids, c.limits = PromptEncoder(byte_tokenizer()), frozenset(), Limits(256, 512, 16, 256)
+    c.prework = Prework()
     return c
 
 

@@ -20,6 +20,7 @@ from coordinator.core.validate import Limits
 from coordinator.core.schedulers.base import Finish
 from coordinator.engine.live import Tokens
 from coordinator.frontends.metrics import RequestMetrics
+from coordinator.frontends.prework import Prework
 from coordinator.frontends.service import Chunk, Coordinator, GenerateInput
 from helpers.openai_server import serving, text_of
 from helpers.reference import byte_tokenizer, hf_greedy
@@ -55,6 +56,7 @@ def coordinator(engine: FakeEngine) -> Coordinator:
     c.encoder = PromptEncoder(byte_tokenizer())
     c.eos_ids = frozenset()
     c.limits = Limits(256, 512, 16, 256)
+    c.prework = Prework()
     return c
 
 

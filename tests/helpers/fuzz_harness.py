@@ -15,7 +15,7 @@ import grpc
 import torch
 from hypothesis import strategies as st
 
-from coordinator.cli.local import free_port
+from coordinator.engine.local import free_port
 from coordinator.config import CoordinatorConfig
 from coordinator.frontends.server import start as start_coordinator
 from protos import common_pb2, generation_pb2_grpc, stage_pb2, stage_pb2_grpc

@@ -16,7 +16,7 @@ from services.grpc_server import Server
 from services.server import SERVICE_NAME, build_runner
 from services.servicer import StageServicer
 
-from coordinator.cli.local import LocalStages, free_port
+from coordinator.engine.local import LocalStages, free_port
 from coordinator.config import CoordinatorConfig
 from coordinator.frontends.server import ApiServer, start
 from coordinator.frontends.service import Coordinator

@@ -9,7 +9,7 @@ import torch
 
 from coordinator.core.schedulers.base import Request
 from coordinator.core.schedulers.cbpp import CBPPScheduler
-from coordinator.engine.transports.inprocess import InProcessPipeline
+from coordinator.engine.loops.inprocess import InProcessPipeline
 from helpers.reference import prompts
 from services.model.shard import even_split, load_shard
 from services.runner import StageRunner

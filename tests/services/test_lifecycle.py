@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.cli.local import LocalStages
+from coordinator.engine.local import LocalStages
 from helpers.wait import wait_until
 from protos import stage_pb2, stage_pb2_grpc
 
@@ -55,7 +55,7 @@ async def test_stage_drains_and_exits_cleanly_on_sigterm(tiny_model, monkeypatch
 
 PARENT = """
 import sys, time
-from coordinator.cli.local import LocalStages
+from coordinator.engine.local import LocalStages
 stages = LocalStages(1, model=sys.argv[1])
 stages.start()
 print(stages.procs[0].pid, flush=True)

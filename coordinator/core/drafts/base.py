@@ -49,7 +49,7 @@ class DraftSource(ABC):
     def __init__(self) -> None:
         self.compute_s = 0.0        # time spent proposing, for the draft-time share
         # model calls made and rows they computed (prefills included), for the simulated clock's draft time
-        # (coordinator/engine/transports/simulated.py); 0 without a model (ngram). Read them as `draft.calls`
+        # (coordinator/engine/loops/simulated.py); 0 without a model (ngram). Read them as `draft.calls`
         # and `draft.rows`: a composite source sums its parts'.
         self.calls = 0
         self.rows = 0

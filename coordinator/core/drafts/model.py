@@ -24,9 +24,11 @@ from coordinator.core.proposals import ProposalRows
 
 
 class ModelDraft(DraftSource):
-    def __init__(self, model: nn.Module, name: str = "model") -> None:
+    def __init__(self, model: nn.Module, name: str = "model", prefill_chunk: int = 256) -> None:
         super().__init__()
-        self.name = name
+        if prefill_chunk < 1:
+            raise ValueError("prefill_chunk must be at least 1")
+        self.name, self.prefill_chunk = name, prefill_chunk     # prompt rows per prefill call
         self.runner = StageRunner(LlamaShard(model, 0, model.config.num_hidden_layers), stage_index=-1)
         self._batch = 0
         self.sampling: dict[str, tuple[Sampling, bool]] = {}       # request -> (sampling, keep_q)
@@ -40,23 +42,45 @@ class ModelDraft(DraftSource):
             raise error
 
     def begin_many(self, jobs: list[tuple[str, list[int], Sampling, bool]]) -> list[Exception | None]:
-        """One prefill call for the prompts of every request in `jobs` (each without its last token)."""
-        segments = []
+        """Prefill the prompts of every request in `jobs` (each without its last token), in calls of at most
+        `prefill_chunk` rows: a long prompt takes several, in order; short ones share one. A call that fails
+        fails the requests in it (their later chunks are skipped), not the others.
+
+            prefill_chunk 6, prompts a: 9 ids (8 rows), b: 3 ids (2 rows) -> calls [a 0:6], [b 0:2, a 6:8]
+        """
+        pieces: list[list[tuple[str, int, int, list[int]]]] = []    # level k: every request's k-th chunk
         for rid, prompt_ids, sampling, keep_q in jobs:
             self.sampling[rid] = (sampling, keep_q)
-            n = len(prompt_ids)
-            nodes = list(range(n))
-            self.runner.apply(Control(rid, commit=nodes))
-            if n > 1:
-                segments.append(Segment(rid, nodes[:-1], [-1] + nodes[:-2], list(range(n - 1)), prompt_ids[:-1],
-                                        [False] * (n - 1)))
+            self.runner.apply(Control(rid, commit=list(range(len(prompt_ids)))))
+            for k, a in enumerate(range(0, len(prompt_ids) - 1, self.prefill_chunk)):
+                if k == len(pieces):
+                    pieces.append([])
+                pieces[k].append((rid, a, min(a + self.prefill_chunk, len(prompt_ids) - 1), prompt_ids))
         failed: dict[str, Exception] = {}
-        if segments:
+        call: list[Segment] = []
+
+        def run() -> None:
             try:
-                out = self._step(segments, want=False)
+                out = self._step(call, want=False)
             except Exception as e:               # the call failed as a whole: every request in it
-                return [e if len(prompt) > 1 else None for _, prompt, *_ in jobs]
-            failed = {s.request_id: RuntimeError(f"draft rejected nodes: {s.error}") for s in out.segments if s.error}
+                failed.update({s.request_id: e for s in call})
+            else:
+                failed.update({s.request_id: RuntimeError(f"draft rejected nodes: {s.error}")
+                               for s in out.segments if s.error})
+            call.clear()
+        for level in pieces:
+            for rid, a, b, prompt_ids in level:
+                if rid in failed:
+                    continue
+                if call and (sum(s.rows for s in call) + b - a > self.prefill_chunk
+                             or any(s.request_id == rid for s in call)):
+                    run()
+                    if rid in failed:
+                        continue
+                call.append(Segment(rid, list(range(a, b)), [i - 1 for i in range(a, b)], list(range(a, b)),
+                                    prompt_ids[a:b], [False] * (b - a)))
+        if call:
+            run()
         return [failed.get(rid) for rid, *_ in jobs]
 
     def expand(self, request_id: str, nodes: list[DraftNode], k: int) -> Proposals:

@@ -22,6 +22,7 @@ import torch
 from services.batch import Control, MicroBatch, Segment
 from services.sampling import GREEDY, Sampling
 
+from coordinator.core.results import Sent, check
 from coordinator.core.status import FinishReason, Status
 
 
@@ -108,7 +109,11 @@ class Scheduler(ABC):
         self.requests: dict[str, RequestState] = {}
         self._actions: list[Action] = []
         self._next_batch = 0
-        self._batches: dict[int, tuple[int, list[str]]] = {}   # batch id -> (inject step, request ids)
+        self._batches: dict[int, tuple[int, list[str], Sent]] = {}   # batch id -> (inject step, request ids,
+        #                                                               what it carried)
+        self.stray_results = 0       # results for no batch in flight (dropped)
+        self.invalid_results = 0     # results that could not answer their batch (its requests failed)
+        self.last_fault = ""         # why the last of them could not
         self._clock = 0              # logical step of the latest event
         self._result_batch = -1      # id of the micro-batch being handled by on_result
         self._last_inject = -1
@@ -126,7 +131,22 @@ class Scheduler(ABC):
         self._start(state)
 
     def on_result(self, batch: MicroBatch) -> None:
-        inject_step, request_ids = self._batches.pop(batch.batch_id, (self._clock, []))
+        """A micro-batch came back. It is checked against what was sent (coordinator/core/results.py) before
+        anything of it is applied: a result for no batch in flight is dropped (`stray_results`); a result
+        that cannot answer its batch fails the batch's requests (INTERNAL, the stage's fault) and changes
+        nothing else."""
+        entry = self._batches.pop(batch.batch_id, None)
+        if entry is None:
+            self.stray_results += 1
+            return
+        inject_step, request_ids, sent = entry
+        fault = check(sent, batch)
+        if fault:
+            self.invalid_results += 1
+            self.last_fault = fault
+            batch = MicroBatch(batch.batch_id, [Segment.failed(
+                s.request_id, f"the last stage answered micro-batch {batch.batch_id} wrongly: {fault}",
+                Status.INTERNAL, -1) for s in sent.segments])
         self._result_batch = batch.batch_id
         self._clock = max(self._clock, inject_step + self.num_stages)
         share = 1 / len(request_ids) if request_ids else 0.0
@@ -219,13 +239,14 @@ class Scheduler(ABC):
         rids = [s.request_id for s in segments]
         for seg in segments:
             seg.sampling = self.requests[seg.request_id].request.sampling
-        self._batches[batch_id] = (step, rids)
+        batch = MicroBatch(batch_id, segments, return_logprobs=return_logprobs)
+        self._batches[batch_id] = (step, rids, Sent.of(batch))
         for rid in rids:
             state = self.requests[rid]
             state.in_flight += 1
             if state.first_step is None:
                 state.first_step = step
-        self._actions.append(Inject(MicroBatch(batch_id, segments, return_logprobs=return_logprobs)))
+        self._actions.append(Inject(batch))
         return batch_id
 
     def _broadcast(self, control: Control) -> None:

@@ -13,9 +13,10 @@ from coordinator.core.schedulers.specpipe import SpecPipeScheduler
 from coordinator.core.schedulers.trip import make_pipeinfer, make_sps, make_tree
 from coordinator.core.sizing import Sizer, Sizing
 from coordinator.core.verify import VERIFIERS
+from coordinator.core.vocabulary import Method, TreePolicy, names
 
-METHODS = ("pp", "specpipe", "sps", "tree", "pipeinfer", "cb-pp")
-TREE_POLICIES = ("layer", "best-first", "hybrid")
+METHODS = names(Method)
+TREE_POLICIES = names(TreePolicy)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,8 +42,8 @@ class Speculation:
                                   "reproducible, ships one token per row) or rejection (speculative sampling; "
                                   "ships distributions)", choices=VERIFIERS)      # coordinator/core/verify.py
     node_budget: int = option(32, "specpipe, cb-pp: rows per micro-batch shared by all requests in it")
-    prefill_chunk: int = option(256, "specpipe, cb-pp: prompt rows per micro-batch, beside the node budget (a "
-                                     "longer prompt continues in the next micro-batch)")
+    prefill_chunk: int = option(256, "prompt rows per micro-batch, every method (a longer prompt continues in the "
+                                     "next micro-batches; specpipe, cb-pp: beside the node budget)")
 
     def spec_options(self, draft: DraftSource | None) -> SpecOptions:
         """These settings with a draft source, for the schedulers."""
@@ -62,7 +63,7 @@ def make_scheduler(method: str, num_stages: int, spec: SpecOptions | None = None
     rounds is left to it."""
     spec = spec or SpecOptions()
     if method == "pp":
-        return PPScheduler(num_stages)
+        return PPScheduler(num_stages, spec.prefill_chunk)
     if method == "cb-pp":
         return CBPPScheduler(num_stages, spec.node_budget, spec.prefill_chunk)
     if method == "specpipe":
@@ -77,8 +78,10 @@ def make_scheduler(method: str, num_stages: int, spec: SpecOptions | None = None
         if spec.draft is None:
             raise ValueError(f"method {method!r} needs a draft source (--draft quant|quant+ngram|ngram|model)")
         if method == "sps":
-            return make_sps(num_stages, spec.draft, spec.sps_k, spec.verify)
+            return make_sps(num_stages, spec.draft, spec.sps_k, spec.verify, spec.prefill_chunk)
         if method == "pipeinfer":
-            return make_pipeinfer(num_stages, spec.draft, spec.pipeinfer_run, spec.pipeinfer_min_prob)
-        return make_tree(num_stages, spec.draft, spec.tree_nodes, spec.tree_depth, spec.tree_topk, spec.verify)
+            return make_pipeinfer(num_stages, spec.draft, spec.pipeinfer_run, spec.pipeinfer_min_prob,
+                                  spec.prefill_chunk)
+        return make_tree(num_stages, spec.draft, spec.tree_nodes, spec.tree_depth, spec.tree_topk, spec.verify,
+                         spec.prefill_chunk)
     raise ValueError(f"unknown method {method!r}; available: {', '.join(METHODS)}")

@@ -26,8 +26,9 @@ class TripScheduler(SpecPipeScheduler):
     drafts_beside = False        # a speculation is grown with the draft in line (`work`)
     def __init__(self, num_stages: int, draft: DraftSource, budget: int, rounds: int, per_round: int,
                  policy: str, max_in_flight: int = 1, bonus_alone: bool = False, min_prob: float = 0.0,
-                 verify: str = "match") -> None:
-        super().__init__(num_stages, draft, width=budget, policy=policy, topk=per_round, verify=verify)
+                 verify: str = "match", prefill_chunk: int = 256) -> None:
+        super().__init__(num_stages, draft, width=budget, policy=policy, topk=per_round, verify=verify,
+                         prefill_chunk=prefill_chunk)
         if rounds < 1 or max_in_flight < 1:
             raise ValueError("a speculation needs at least one round and one micro-batch in flight")
         self.budget, self.rounds, self.per_round = budget, rounds, per_round
@@ -40,9 +41,10 @@ class TripScheduler(SpecPipeScheduler):
 
     # -- no cross-request batching: each request's prompt and speculations travel alone ------------
     def _dispatch(self) -> None:
-        for rid in list(self.prefill_next):
+        for rid in list(self.prefill_next):         # the prompt in chunks, back to back (each stage keeps order)
             state = self.requests[rid]
-            self._inject([self._prefill_chunk(state, len(state.request.prompt_ids))])    # the whole prompt
+            while rid in self.prefill_next:
+                self._inject([self._prefill_chunk(state, self.prefill_chunk)])
         for state in list(self.requests.values()):
             self._fill(state)
 
@@ -119,15 +121,18 @@ class TripScheduler(SpecPipeScheduler):
             self.pending[rid] = 1             # room for another run (pipeinfer)
 
 
-def make_sps(num_stages: int, draft: DraftSource, k: int, verify: str = "match") -> TripScheduler:
+def make_sps(num_stages: int, draft: DraftSource, k: int, verify: str = "match",
+             prefill_chunk: int = 256) -> TripScheduler:
     """A chain of k draft tokens per trip: one node per round, always below the deepest one. Sampling with
     `rejection` is speculative sampling (accept with min(1, p/q), else draw from max(p - q, 0))."""
-    sched = TripScheduler(num_stages, draft, budget=k, rounds=k, per_round=1, policy="layer", verify=verify)
+    sched = TripScheduler(num_stages, draft, budget=k, rounds=k, per_round=1, policy="layer", verify=verify,
+                          prefill_chunk=prefill_chunk)
     sched.name = "sps"
     return sched
 
 
-def make_pipeinfer(num_stages: int, draft: DraftSource, run_len: int, min_prob: float) -> TripScheduler:
+def make_pipeinfer(num_stages: int, draft: DraftSource, run_len: int, min_prob: float,
+                   prefill_chunk: int = 256) -> TripScheduler:
     """PipeInfer (arXiv 2407.11798) over our stage protocol: continuous asynchronous speculation — while fewer
     than S micro-batches are in flight, a speculative run of up to `run_len` chained draft tokens continues
     from the previous run's last token, cut short where the draft's probability falls below `min_prob` —,
@@ -136,16 +141,16 @@ def make_pipeinfer(num_stages: int, draft: DraftSource, run_len: int, min_prob: 
     running step is not aborted). Verification is PipeInfer's sample-then-match (`match`: the target's own
     token, greedy or its seeded sample, decides), so it is exact; `rejection` is not offered."""
     sched = TripScheduler(num_stages, draft, budget=run_len, rounds=run_len, per_round=1, policy="layer",
-                          max_in_flight=num_stages, bonus_alone=True, min_prob=min_prob)
+                          max_in_flight=num_stages, bonus_alone=True, min_prob=min_prob, prefill_chunk=prefill_chunk)
     sched.name = "pipeinfer"
     return sched
 
 
 def make_tree(num_stages: int, draft: DraftSource, nodes: int, depth: int, topk: int,
-              verify: str = "match") -> TripScheduler:
+              verify: str = "match", prefill_chunk: int = 256) -> TripScheduler:
     """Up to `nodes` per trip, best-first, `depth` rounds of up to `topk` expansions. Sampling with
     `rejection` verifies siblings by recursive rejection sampling (coordinator/core/verify.py)."""
     sched = TripScheduler(num_stages, draft, budget=nodes, rounds=depth, per_round=topk, policy="best-first",
-                          verify=verify)
+                          verify=verify, prefill_chunk=prefill_chunk)
     sched.name = "tree"
     return sched

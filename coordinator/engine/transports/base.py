@@ -1,6 +1,7 @@
 """What the engine sends micro-batches over (`Transport`), and what a replaceable pipeline adds (`Pipeline`).
 
-Transports: grpc.py (real stages), inprocess.py (stages in this process), simulated.py (a simulated clock).
+The transport: grpc.py (real stages). The loops that run a scheduler without the engine — stage runners in this
+process, a simulated clock — are coordinator/engine/loops/.
 Only a `Pipeline` is swapped at run time (coordinator/engine/pipeline.py): the gRPC one.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Driver 2: real stage services over gRPC.
+"""The transport over real stage services: gRPC.
 
 Data plane: one Forward stream into stage 0 (the stages forward among themselves) and one Results
 subscription on the last stage. Control plane: one Control stream per stage. Messages on each stream keep

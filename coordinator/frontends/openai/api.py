@@ -29,10 +29,10 @@ import json
 import ssl
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 from aiohttp import web
@@ -45,9 +45,11 @@ from coordinator.frontends.openai.extras import REQUEST_ID_HEADER, client_reques
 from coordinator.frontends.openai.prompt import Prompts
 from coordinator.frontends.openai.schema import (ApiError, OpenAIRequest, ParseContext, chunk, completion,
                                        from_generation_error, parse_chat, parse_completion, usage)
+from coordinator.core.admission import Overloaded
 from coordinator.core.validate import InvalidRequest
 from coordinator.frontends.service import Chunk, Coordinator, GenerationFailed
 
+T = TypeVar("T")
 log = get_logger(__name__)
 MAX_BODY_BYTES = 4 * 1024 * 1024        # default body cap (the coordinator passes --api-max-message-mb)
 INLINE_JSON_BYTES = 64 * 1024           # bodies up to this are parsed on the event loop, larger in a thread
@@ -72,13 +74,16 @@ class OpenAIServer:
     """Serves the OpenAI-compatible API for one Coordinator. `token`: the bearer token required on /v1,
     /tokenize and /detokenize (empty: open); `tls`: (cert, key) PEM files to serve HTTPS; `grace_s`: how long
     stop() lets running requests finish before they are cancelled; `max_body_bytes`: the largest request body (413 beyond);
-    `timeout_s`: how long headers, and then the body, may take to arrive. The model answers to the names of
+    `timeout_s`: how long headers, and then the body, may take to arrive; `write_timeout_s`: how long a stream
+    waits for its client to take an event (`--stream-write-timeout-s`; then the request is cancelled);
+    `max_in_progress`: API requests served at once (`--api-max-concurrent-rpcs`; more: 429; health apart). The model answers to the names of
     --served-model-name, else to `model_name` (comma-separated), else to served_model_name(--model); the
     first is the one answers name when a request names none."""
 
     def __init__(self, coordinator: Coordinator, model_name: str = "", token: str = "",
                  tls: tuple[str, str] | None = None, grace_s: float = 10.0,
-                 max_body_bytes: int = MAX_BODY_BYTES, timeout_s: float = 30.0) -> None:
+                 max_body_bytes: int = MAX_BODY_BYTES, timeout_s: float = 30.0,
+                 write_timeout_s: float = 30.0, max_in_progress: int = 512) -> None:
         self.coordinator = coordinator
         self.names: tuple[str, ...] = (coordinator.config.served_model_name
                                        or tuple(n.strip() for n in model_name.split(",") if n.strip())
@@ -89,7 +94,8 @@ class OpenAIServer:
         self._token = token
         self._expected = f"Bearer {token}".encode() if token else None
         self._tls = tls
-        self.max_body_bytes, self.timeout_s = max_body_bytes, timeout_s
+        self.max_body_bytes, self.timeout_s, self.write_timeout_s = max_body_bytes, timeout_s, write_timeout_s
+        self.max_in_progress, self.in_progress = max_in_progress, 0     # API requests (not health) at once
         self.app = web.Application(middlewares=[self._middleware], client_max_size=max_body_bytes)
         self.app.add_routes([web.get("/v1/models", self.models), web.get("/v1/models/{model:.+}", self.model_info),
                              web.post("/v1/completions", self.completions),
@@ -129,12 +135,21 @@ class OpenAIServer:
         request[RID] = request[ECHO_ID] = uuid.uuid4().hex[:16]
         try:
             request[ECHO_ID] = client_request_id(request.headers.get(REQUEST_ID_HEADER)) or request[RID]
-            if self._expected is not None and request.path.startswith(("/v1", "/tokenize", "/detokenize")):
-                got = request.headers.get("Authorization", "").encode()
+            guarded = request.path.startswith(("/v1", "/tokenize", "/detokenize"))
+            if self._expected is not None and guarded:
+                # a header of bytes that are not UTF-8 (aiohttp keeps them as surrogates) is a wrong key: 401
+                got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
                 if not hmac.compare_digest(got, self._expected):
                     raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <token>')",
                                    code="invalid_api_key")
-            resp = await handler(request)
+            if guarded and self.in_progress >= self.max_in_progress:
+                raise ApiError(429, f"{self.max_in_progress} requests are in progress (--api-max-concurrent-rpcs)",
+                               "rate_limit_error", code="rate_limit_exceeded")
+            self.in_progress += guarded
+            try:
+                resp = await handler(request)
+            finally:
+                self.in_progress -= guarded
         except ApiError as e:
             resp = web.json_response(e.body(), status=e.status)
             if e.status in (408, 413):          # the rest of the body may still be coming: do not read it
@@ -173,10 +188,18 @@ class OpenAIServer:
             raise ApiError(408, f"the request body did not arrive within {self.timeout_s:g} s",
                            code="request_timeout") from None
 
+    async def _prework(self, request: web.Request, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the coordinator's bounded pre-admission pool (coordinator/frontends/prework.py),
+        counted for the caller: 429 when it is full."""
+        try:
+            return await self.coordinator.prework.run(client_identity(self._token, request.remote or ""), fn, *args)
+        except Overloaded as e:
+            raise ApiError(429, str(e), "rate_limit_error", code="rate_limit_exceeded") from None
+
     async def _body(self, request: web.Request) -> dict[str, Any]:
         raw = await self._read(request)
         try:
-            body = json.loads(raw) if len(raw) <= INLINE_JSON_BYTES else await asyncio.to_thread(json.loads, raw)
+            body = json.loads(raw) if len(raw) <= INLINE_JSON_BYTES else await self._prework(request, json.loads, raw)
         except (ValueError, UnicodeDecodeError, RecursionError):        # RecursionError: absurd nesting
             raise ApiError(400, "the request body is not valid JSON") from None
         if not isinstance(body, dict):
@@ -187,7 +210,7 @@ class OpenAIServer:
     async def health(self, request: web.Request) -> web.Response:
         """Readiness: 200 while the pipeline serves; 503 (and why) while it is down, recovering, held by a
         re-partition, scaled to zero, or the coordinator is closing."""
-        ok, why = serving_state(self.coordinator)
+        ok, why = serving_state(self.coordinator, detail=False)      # public: no stage addresses
         if ok:
             return web.json_response({"status": "ok"})
         return web.json_response({"status": "unavailable", "reason": why}, status=503)
@@ -209,23 +232,24 @@ class OpenAIServer:
                            code="model_not_found")
         return web.json_response(self._model_object(request.match_info["model"]))
 
-    # tokenizing a long prompt and the chat template (jinja) are not the event loop's work
+    # tokenizing a long prompt and the chat template (jinja) are neither the event loop's work nor unbounded
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = await asyncio.to_thread(parse_completion, await self._body(request), self._context())
+        req = await self._prework(request, parse_completion, await self._body(request), self._context())
         return await self._generate(request, req, chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        req = await asyncio.to_thread(parse_chat, await self._body(request), self._context())
+        req = await self._prework(request, parse_chat, await self._body(request), self._context())
         return await self._generate(request, req, chat=True)
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        return web.json_response(await asyncio.to_thread(tokenize, body, self._context(), self.prompts.token_strs))
+        body, ctx, strs = await self._body(request), self._context(), self.prompts.token_strs
+        text = await self._prework(request, lambda: json.dumps(tokenize(body, ctx, strs)))   # a long list of ids
+        return web.Response(text=text, content_type="application/json")
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        out = await asyncio.to_thread(detokenize, body, self._context(), self.coordinator.limits.vocab_size,
-                                      self.prompts.decode)
+        out = await self._prework(request, detokenize, body, self._context(), self.coordinator.limits.vocab_size,
+                                  self.prompts.decode)
         return web.json_response(out)
 
     # -- generation -----------------------------------------------------------------------------------
@@ -265,7 +289,12 @@ class OpenAIServer:
 
         async def send(obj: dict[str, Any] | str) -> None:
             data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
-            await resp.write(f"data: {data}\n\n".encode())
+            try:             # a client that stopped reading holds nothing longer than this
+                await asyncio.wait_for(resp.write(f"data: {data}\n\n".encode()), self.write_timeout_s)
+            except asyncio.TimeoutError:
+                if request.transport is not None:
+                    request.transport.abort()          # nothing more to flush to it, not even the end
+                raise ConnectionResetError(f"the client took no event for {self.write_timeout_s:g} s") from None
 
         def event(text: str, reason: str | None = None, delta: dict[str, str] | None = None,
                   ids: list[int] | None = None) -> dict[str, Any]:

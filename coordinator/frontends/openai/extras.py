@@ -22,7 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 from coordinator.frontends.openai.fields import bad, flag, refuse_unsupported
-from coordinator.frontends.openai.schema import ParseContext, chat_options, parse_messages, served_model
+from coordinator.frontends.openai.schema import (ParseContext, chat_options, fits_messages, fits_prompt,
+                                                 parse_messages, served_model)
 
 REQUEST_ID_HEADER = "X-Request-Id"
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")      # UUIDs, trace ids, base64
@@ -55,10 +56,13 @@ def tokenize(body: dict, ctx: ParseContext, token_strs: Callable[[list[int]], li
             prompt = body["prompt"]
             if not isinstance(prompt, str):
                 raise bad("'prompt' must be a string", "prompt")
+            fits_prompt(prompt, ctx)                # sizes first, before tokenizing
             ids = ctx.encode(prompt, flag(body, "add_special_tokens", True))
         else:
             refuse_unsupported(body)                # tools, chat_template, ...
-            ids = ctx.render(parse_messages(body), chat_options(body))
+            messages = parse_messages(body)
+            fits_messages(messages, ctx)
+            ids = ctx.render(messages, chat_options(body))
         strs = token_strs(ids) if flag(body, "return_token_strs") and token_strs is not None else None
     except ValueError as e:
         raise bad(str(e), "prompt" if has_prompt else "messages") from None

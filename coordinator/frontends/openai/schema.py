@@ -19,6 +19,7 @@ OpenAI's (temperature 1, top_p 1); an unset max_tokens is the rest of the contex
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,10 +94,31 @@ def served_model(body: dict, names: tuple[str, ...]) -> str:
     return model or names[0]
 
 
+# what a message costs a chat template beyond its text (its role's tags): counted, so that many empty messages
+# cannot pass for a small request
+MESSAGE_CHARS = 16
+MAX_TEMPLATE_KWARGS_CHARS = 4096      # chat_template_kwargs, as JSON
+
+
 def _fits(chars: int, ctx: ParseContext, param: str) -> None:
     """Sizes first, before tokenizing: text this long cannot fit the context."""
     if chars > ctx.context * MAX_PROMPT_CHARS_PER_TOKEN:
         raise bad(f"{param}: {chars} characters cannot fit the model's context of {ctx.context} tokens", param)
+
+
+def fits_prompt(prompt: str, ctx: ParseContext) -> None:
+    _fits(len(prompt), ctx, "prompt")
+
+
+def fits_messages(messages: list[dict[str, str]], ctx: ParseContext) -> None:
+    """A conversation's size before its template is rendered: every field, and each message's own cost.
+
+        300,000 empty `tool` messages: 300,000 x (4 + 16) characters > 8192 x 64 -> 400, nothing rendered
+    """
+    if len(messages) > ctx.context:
+        raise bad(f"messages: {len(messages)} messages cannot fit the model's context of {ctx.context} tokens",
+                  "messages")
+    _fits(sum(len(m["role"]) + len(m["content"]) + MESSAGE_CHARS for m in messages), ctx, "messages")
 
 
 def _tokenized(tokenize: Callable[[], list[int]], param: str) -> list[int]:
@@ -173,7 +195,7 @@ def parse_chat(body: dict, ctx: ParseContext) -> OpenAIRequest:
     model = served_model(body, ctx.names)
     refuse_unsupported(body)
     messages = parse_messages(body)
-    _fits(sum(len(m["content"]) for m in messages), ctx, "messages")
+    fits_messages(messages, ctx)
     chat = chat_options(body)
     max_new = integer(body, "max_completion_tokens")
     return _request(body, ctx, model, integer(body, "max_tokens") if max_new is None else max_new, "messages",
@@ -184,6 +206,8 @@ def chat_options(body: dict) -> ChatOptions:
     """add_generation_prompt (default true; false by default when continue_final_message is true),
     continue_final_message, add_special_tokens (default false) and chat_template_kwargs."""
     kwargs = get(body, "chat_template_kwargs", (dict,), "an object") or {}
+    if len(json.dumps(kwargs, default=str)) > MAX_TEMPLATE_KWARGS_CHARS:
+        raise bad(f"chat_template_kwargs: more than {MAX_TEMPLATE_KWARGS_CHARS} characters", "chat_template_kwargs")
     cont = flag(body, "continue_final_message")
     return ChatOptions(flag(body, "add_generation_prompt", not cont), cont, flag(body, "add_special_tokens"),
                        dict(kwargs))

@@ -22,7 +22,7 @@ from coordinator.core.drafts.ngram import NgramDraft
 from coordinator.core.schedulers.base import Request
 from coordinator.core.schedulers.registry import SpecOptions, make_scheduler
 from coordinator.core.schedulers.specpipe import SpecPipeScheduler
-from coordinator.engine.transports.inprocess import InProcessPipeline
+from coordinator.engine.loops.inprocess import InProcessPipeline
 from helpers.reference import hf_greedy, prompts
 from helpers.reference import reference_sample
 from helpers.shard import make_runners

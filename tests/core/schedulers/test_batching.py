@@ -8,7 +8,7 @@ from coordinator.core.drafts.model import ModelDraft
 from coordinator.core.schedulers.base import Inject, Request
 from coordinator.core.schedulers.cbpp import CBPPScheduler
 from coordinator.core.schedulers.specpipe import SpecPipeScheduler
-from coordinator.engine.transports.inprocess import InProcessPipeline
+from coordinator.engine.loops.inprocess import InProcessPipeline
 from helpers.drafts import make_draft
 from helpers.leftovers import assert_nothing_left
 from helpers.reference import hf_greedy, prompts

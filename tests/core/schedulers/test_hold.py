@@ -13,7 +13,7 @@ from coordinator.core.schedulers.base import Finish, Request
 from coordinator.core.schedulers.batching import FollowRate
 from coordinator.core.schedulers.cbpp import CBPPScheduler
 from coordinator.core.schedulers.specpipe import SpecPipeScheduler
-from coordinator.engine.transports.inprocess import InProcessPipeline
+from coordinator.engine.loops.inprocess import InProcessPipeline
 from helpers.by_hand import back, injected, rows_of
 from helpers.drafts import make_draft
 from helpers.leftovers import assert_nothing_left

@@ -10,7 +10,7 @@ from coordinator.core.drafts.base import DraftNode, Proposals
 from coordinator.core.drafts.model import ModelDraft
 from coordinator.core.schedulers.base import Request
 from coordinator.core.schedulers.specpipe import SpecPipeScheduler
-from coordinator.engine.transports.inprocess import InProcessPipeline
+from coordinator.engine.loops.inprocess import InProcessPipeline
 from helpers.drafts import AlwaysWrong, always_right
 from helpers.reference import hf_greedy, prompts
 from helpers.shard import chain, make_runners

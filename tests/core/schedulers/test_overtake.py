@@ -10,7 +10,7 @@ from services.sampling import Sampling
 from coordinator.core.schedulers.base import Inject, Request
 from coordinator.core.schedulers.cbpp import CBPPScheduler
 from coordinator.core.schedulers.specpipe import SpecPipeScheduler
-from coordinator.engine.transports.inprocess import InProcessPipeline
+from coordinator.engine.loops.inprocess import InProcessPipeline
 from helpers.by_hand import back, injected, rows_of
 from helpers.drafts import make_draft
 from helpers.leftovers import assert_nothing_left

@@ -8,7 +8,7 @@ import pytest
 from coordinator.config import CoordinatorConfig
 from coordinator.core.schedulers.base import Request
 from coordinator.core.schedulers.pp import PPScheduler
-from coordinator.engine.transports.inprocess import InProcessPipeline
+from coordinator.engine.loops.inprocess import InProcessPipeline
 from coordinator.frontends.service import Coordinator, GenerateInput
 from helpers.reference import hf_greedy, prompts
 from helpers.shard import make_runners

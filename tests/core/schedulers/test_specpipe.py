@@ -9,7 +9,7 @@ from coordinator.core.drafts.ngram import NgramDraft
 from coordinator.core.schedulers.base import Request
 from coordinator.core.schedulers.specpipe import SpecPipeScheduler
 from coordinator.core.tree import POLICIES
-from coordinator.engine.transports.inprocess import InProcessPipeline
+from coordinator.engine.loops.inprocess import InProcessPipeline
 from helpers.drafts import always_right, make_draft
 from helpers.reference import hf_greedy, prompts
 from helpers.shard import make_runners

@@ -6,7 +6,7 @@ import pytest
 
 from coordinator.core.schedulers.base import Request
 from coordinator.core.schedulers.registry import SpecOptions, make_scheduler
-from coordinator.engine.transports.inprocess import InProcessPipeline
+from coordinator.engine.loops.inprocess import InProcessPipeline
 from helpers.drafts import make_draft
 from helpers.reference import hf_greedy, prompts
 from helpers.shard import make_runners

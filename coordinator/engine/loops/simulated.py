@@ -1,4 +1,5 @@
-"""A simulated clock. Real stage runners compute every micro-batch (so outputs, hits and misses are
+"""A scheduler run on a simulated clock (`SimulatedPipeline.run(scheduler, requests)`, for `specpipe bench
+--simulate`): a loop that drives a scheduler, not a Transport of the engine. Real stage runners compute every micro-batch (so outputs, hits and misses are
 the real ones), but time comes from a latency model instead of waiting, so pipelines of 8–64 stages can be
 studied on a small machine in minutes.
 

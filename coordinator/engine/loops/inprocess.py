@@ -1,4 +1,6 @@
-"""Driver 1: stage runners called directly, one pipeline step at a time (tests, equivalence checks).
+"""A scheduler run over stage runners called directly, one pipeline step at a time (tests, equivalence checks):
+`InProcessPipeline.run(scheduler, requests)`. A loop that drives a scheduler, not a Transport of the engine
+(coordinator/engine/transports/); its sibling simulated.py does the same on a simulated clock.
 
 Each tick every stage computes the micro-batch in front of it (stage i's output is stage i+1's input at
 the next tick), results of the last stage go to the scheduler, control messages reach every stage at once,
