@@ -86,7 +86,7 @@ def write_results(result: dict, out_dir: str) -> dict:
 def table(result: dict) -> str:
     rows = result["rows"]
     head = f"{'S':>3} {'c':>3} {'variant':<34} {'tbt ms':>8} {'p90':>8} {'ttft ms':>8} {'tok/step':>9} {'dec/stp':>8} " \
-           f"{'hit':>6} {'tok/s':>7} {'draft%':>7} {'ovh%':>6} {'ctl ms':>7}  flags"
+           f"{'hit':>6} {'tok/s':>7} {'draft%':>7} {'ovh%':>6} {'ctl ms':>7} {'warm':>6}  flags"
     lines = [head, "-" * len(head)]
     for r in rows:
         hit = f"{r['hit_rate']:.2f}" if r["hit_rate"] is not None else "-"
@@ -97,10 +97,12 @@ def table(result: dict) -> str:
         tps = f"{r['tokens_per_step']:.2f}" if r["tokens_per_step"] is not None else "-"
         ovh = f"{100 * r['overhead_share']:.1f}%" if r.get("overhead_share") is not None else "-"
         ctl = f"{r['control_ms_per_step_p50']:.2f}" if r.get("control_ms_per_step_p50") is not None else "-"
+        warm = f"{r['control_warm_ms_per_step_p50']:.2f}" if r.get("control_warm_ms_per_step_p50") is not None \
+            else "-"
         lines.append(f"{r['stages']:>3} {level_name(r):>3} {r['label']:<34} {r['tbt_ms_mean']:>8.1f} "
                      f"{r['tbt_ms_p90']:>8.1f} "
                      f"{r['ttft_ms_mean']:>8.0f} {tps:>9} {r.get('decode_tokens_per_step') or 0:>8.2f} {hit:>6} "
-                     f"{r['throughput_tok_s']:>7.2f} {100 * r['draft_share']:>6.1f}% {ovh:>6} {ctl:>7}  {flag}")
+                     f"{r['throughput_tok_s']:>7.2f} {100 * r['draft_share']:>6.1f}% {ovh:>6} {ctl:>7} {warm:>6}  {flag}")
     lines += ratios(rows)
     base = {r["stages"]: r["tbt_ms_mean"] for r in rows if r["method"] == "pp" and r["concurrency"] == 1}
     for r in rows:

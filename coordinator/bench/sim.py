@@ -8,6 +8,7 @@ time `a + b * rows`. The draft's work is charged to the coordinator by the draft
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 from dataclasses import replace
@@ -49,20 +50,25 @@ def run_simulated(cfg: BenchConfig, log=print) -> dict:
             continue
         runs: dict[Variant, list[dict]] = {v: [] for v in cfg.variants}
         meters = {v: StepMeter() for v in cfg.variants}
+        warm = {v: StepMeter() for v in cfg.variants}      # the same calls replayed with no model compute
         sizers: dict[Variant, object] = {}       # specpipe's cost rule lives on across prompts, as in the engine
         for pi, prompt in enumerate(token_ids):
             for v in cfg.variants:
                 spec = replace(SpecOptions(draft), **v.overrides())
                 sched = make_scheduler(v.method, num_stages, spec, sizers.get(v))
                 sizers[v] = getattr(sched, "sizer", None)
+                twin = _twin(sched, draft, cfg.control_scale)
                 pipe = SimulatedPipeline([runner], stage_time, num_stages=num_stages, hop_ms=cfg.hop_ms,
-                                         draft_time=draft_time, control_scale=cfg.control_scale)
+                                         draft_time=draft_time, control_scale=cfg.control_scale,
+                                         record=twin is not None)
                 rid = f"sim{next(ids)}"
                 calls, drows = (draft.calls, draft.rows) if draft is not None else (0, 0)
                 o = pipe.run(sched, [Request(rid, prompt, cfg.max_new_tokens)], draft=draft)[rid]
                 stats = dict(o.stats, tbt_ms=o.tbt_ms, ttft_ms=o.ttft_ms, wall_ms=o.end_ms - o.start_ms,
                              draft_ms=pipe.draft_ms, control_ms=pipe.control_ms)   # charged on the simulated clock
                 meters[v].extend(pipe.steps)
+                if twin is not None:
+                    warm[v].extend(pipe.replay(twin))
                 if draft is not None:
                     stats.update(draft_calls=draft.calls - calls, draft_rows=draft.rows - drows)
                 runs[v].append(stats)
@@ -75,7 +81,7 @@ def run_simulated(cfg: BenchConfig, log=print) -> dict:
                        machine_bound=False,
                        draft_calls_per_step=sum(r.get("draft_calls", 0) for r in runs[v]) / steps if steps else 0.0,
                        draft_rows_per_step=sum(r.get("draft_rows", 0) for r in runs[v]) / steps if steps else 0.0,
-                       **meters[v].summary())
+                       **meters[v].summary(), **_warm(warm[v]))
             rows.append(row)
     return {"config": {"stages": cfg.stages, "variants": [v.label for v in cfg.variants], "simulate": True,
                        "stage_time_ms": cfg.stage_time_ms, "emulated_stage_time": True, "hop_ms": cfg.hop_ms,
@@ -89,6 +95,21 @@ def run_simulated(cfg: BenchConfig, log=print) -> dict:
                        "node_budget": cfg.node_budget,
                        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
             "rows": rows}
+
+
+def _twin(sched, draft, control_scale: float):
+    """A copy of a scheduler before its run, to replay the run's calls on (the draft is shared, not copied);
+    None where there is nothing to replay (control time not charged, or a draft that runs in line)."""
+    if control_scale == 0 or (not sched.drafts_beside and getattr(sched, "draft", None) is not None):
+        return None
+    return copy.deepcopy(sched, {id(draft): draft})
+
+
+def _warm(meter: StepMeter | None) -> dict[str, float | None]:
+    """The replayed (warm) control time per step of a bench row; None where there was no replay."""
+    summary = meter.summary() if meter is not None and meter.steps else {}
+    return {"control_warm_ms_per_step_p50": summary.get("control_ms_per_step_p50"),
+            "control_warm_ms_per_step_p90": summary.get("control_ms_per_step_p90")}
 
 
 def _levels(cfg: BenchConfig, num_stages: int, runner: StageRunner, draft, token_ids: list[list[int]],
@@ -107,8 +128,9 @@ def _levels(cfg: BenchConfig, num_stages: int, runner: StageRunner, draft, token
             spec = replace(SpecOptions(draft), **{"node_budget": cfg.node_budget, **v.overrides()})
             sched = make_scheduler(v.method, num_stages, spec, sizers.get(v))
             sizers[v] = getattr(sched, "sizer", None)
+            twin = _twin(sched, draft, cfg.control_scale)
             pipe = SimulatedPipeline([runner], stage_time, num_stages=num_stages, hop_ms=cfg.hop_ms,
-                                     draft_time=draft_time, control_scale=cfg.control_scale)
+                                     draft_time=draft_time, control_scale=cfg.control_scale, record=twin is not None)
             reqs = [Request(f"{'r' if rate else 'c'}{level}-{v.label}-{i}", token_ids[i % len(token_ids)],
                             cfg.max_new_tokens) for i in range(n)]
             if rate:
@@ -121,7 +143,8 @@ def _levels(cfg: BenchConfig, num_stages: int, runner: StageRunner, draft, token
             row = level_row(v, num_stages, None if rate else level, runs, wall_s, stage_time, request_rate=rate)
             row.update(simulated=True, stage_compute_ms=[], compute_overrun_stages=[], compute_ms_per_step=None,
                        machine_bound=False, draft_ms=pipe.draft_ms,     # the coordinator's modelled draft time
-                       draft_share=pipe.draft_ms / (wall_s * 1e3) if wall_s else 0.0, **pipe.steps.summary())
+                       draft_share=pipe.draft_ms / (wall_s * 1e3) if wall_s else 0.0, **pipe.steps.summary(),
+                       **_warm(pipe.replay(twin) if twin is not None else None))
             rows.append(row)
             log(f"  simulated S={num_stages} {'rate' if rate else 'c'}={level_name(row)} {v.label}: "
                 f"{row['throughput_tok_s']:.2f} tok/s, tbt p50 {row['tbt_ms_p50']:.0f} ms p90 "

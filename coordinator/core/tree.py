@@ -88,19 +88,17 @@ class TokenTree:
 
     def row(self, node_id: int, strict: bool = True) -> int:
         """The row of a live node (-1, or KeyError when strict, for an id that is not live)."""
-        ids = self.a.id
-        i = int(np.searchsorted(ids, node_id))
-        if i < len(ids) and ids[i] == node_id:
-            return i
-        if strict:
+        if node_id == self.root:
+            return 0
+        i = self.a.where_one(node_id)
+        if i < 0 and strict:
             raise KeyError(node_id)
-        return -1
+        return i
 
     def rows(self, node_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rows of many ids: (rows, live mask); rows where the mask is False are meaningless."""
-        ids = self.a.id
-        rows = np.minimum(np.searchsorted(ids, node_ids), len(ids) - 1)
-        return rows, ids[rows] == node_ids
+        rows = self.a.where(node_ids)
+        return rows, rows >= 0
 
     def live(self, node_ids: Sequence[int]) -> np.ndarray:
         """[len(node_ids)] bool: which ids are in the tree."""
@@ -136,15 +134,15 @@ class TokenTree:
         prow, live = self.rows(parent_ids)
         if not live.all():
             raise KeyError(f"not in the tree: {parent_ids[~live].tolist()}")
-        valid = rows.valid()
         fresh = (self.a.best_child[prow] == NO_TOKEN).all() and len(set(parent_ids.tolist())) == len(parent_ids)
-        if not fresh or rows.has_repeats():
-            valid = self._first_proposals(parent_ids, rows, valid)
+        m, k = rows.tokens.shape
         self.a.expanded[prow] = True
         self.a.asked[prow] = False
-        m, k = rows.tokens.shape
         if fresh and rows.distinct and (rows.counts == k).all():      # a draft's top-k: every cell is a child
             return self._add_full(parent_ids, prow, rows)
+        valid = rows.valid()
+        if not fresh or rows.has_repeats():
+            valid = self._first_proposals(parent_ids, rows, valid)
         total = int(valid.sum())
         if total == 0:
             return np.zeros(0, np.int64)
@@ -390,17 +388,23 @@ class TokenTree:
         return pruned
 
     def _subtree(self, top: int) -> np.ndarray:
-        """Mask of the rows in the subtree below (and including) row `top`, one depth level at a time."""
+        """Mask of the rows in the subtree below (and including) row `top`: the rows whose ancestor
+        depth[row] - depth[top] layers up is `top`, found by pointer doubling (jumps of 1, 2, 4, ... layers:
+        log2 of the tree's height in whole-column steps)."""
         a = self.a
-        keep = np.zeros(len(a.id), bool)
-        keep[top] = True
-        prow, _ = self.rows(a.parent)
-        below = np.flatnonzero(a.depth > a.depth[top])
-        below = below[np.argsort(a.depth[below], kind="stable")]
-        levels = np.split(below, np.flatnonzero(np.diff(a.depth[below])) + 1) if len(below) else []
-        for level in levels:
-            keep[level] = keep[prow[level]]
-        return keep
+        up = self.rows(a.parent)[0]
+        up[0] = 0                                  # the root's parent: itself (every jump stops there)
+        climb = a.depth - a.depth[top]             # layers from each row up to top's layer
+        if not len(climb):
+            return np.zeros(0, bool)
+        at = np.arange(len(climb))
+        todo = np.maximum(climb, 0)
+        while todo.any():
+            odd = (todo & 1).astype(bool)
+            at[odd] = up[at[odd]]
+            todo >>= 1
+            up = up[up]
+        return (climb >= 0) & (at == top)
 
     def _pruned(self, dropped: np.ndarray) -> Pruned:
         a = self.a
@@ -421,7 +425,7 @@ class TokenTree:
         depth = int(self.a.depth[0]) + 1
         self.q.pop(self.root, None)
         self.target_p.pop(self.root, None)
-        self.a.n = 0
+        self.a.clear()
         self.a.append(np.array([bonus]), np.array([-1]), np.array([token]), np.array([depth]), np.zeros(1))
         self.root = bonus
         return bonus, pruned

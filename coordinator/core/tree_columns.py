@@ -5,7 +5,9 @@ node, rows in id order (row 0 is the root), so the hot path works on whole colum
     a = NodeArrays()
     a.append(ids, parents, tokens, depths, scores)    # new rows at the end (ids above every live id)
     a.keep(rows)                                      # only these rows stay, in place
+    a.clear()                                         # no rows
     a.score[a.injected]                               # columns are numpy views of the live rows
+    a.where(ids)                                      # rows of ids (-1: not live), by a dense lookup
 """
 from __future__ import annotations
 
@@ -47,16 +49,44 @@ class NodeArrays:
     def __init__(self, capacity: int = 256) -> None:
         self._buf = {c: np.empty(capacity, t) for c, t in self.COLUMNS.items()}
         self.n = 0
+        # id -> row: _where[id - base] for ids from base (the first live id) to the last; -1 where not live.
+        # Ids live in a span the request's counter handed out since its root was made, so it stays small.
+        self.base = 0
+        self._where = np.full(capacity, -1, np.int64)
         self._views()
 
     def _views(self) -> None:
         for c, b in self._buf.items():
             setattr(self, c, b[:self.n])
 
+    def where(self, ids: np.ndarray) -> np.ndarray:
+        """[len(ids)] the row of each id, -1 for an id that is not live."""
+        i = np.asarray(ids, np.int64) - self.base
+        span = self.n and int(self.id[-1]) - self.base + 1
+        inside = (i >= 0) & (i < span)
+        return np.where(inside, self._where[np.where(inside, i, 0)], -1)
+
+    def where_one(self, node_id: int) -> int:
+        """The row of one id, -1 when it is not live."""
+        i = node_id - self.base
+        return int(self._where[i]) if self.n and 0 <= i <= self.id[-1] - self.base else -1
+
     def append(self, ids: np.ndarray, parents: np.ndarray, tokens: np.ndarray, depths: np.ndarray,
                scores: np.ndarray) -> None:
-        """New nodes (ids above every live id), not injected, not expanded, with no target token or child."""
+        """New nodes (ids above every live id, ascending), not injected, not expanded, with no target token or
+        child."""
         m, n = len(ids), self.n
+        if not m:
+            return
+        if n == 0:
+            self.base = int(ids[0])
+            self._where[:] = -1
+        span = int(ids[-1]) - self.base + 1
+        if span > len(self._where):
+            grown = np.full(max(2 * len(self._where), span), -1, np.int64)
+            grown[:len(self._where)] = self._where
+            self._where = grown
+        self._where[np.asarray(ids) - self.base] = np.arange(n, n + m)
         if n + m > len(self._buf["id"]):
             grow = max(2 * len(self._buf["id"]), n + m)
             for c, b in self._buf.items():
@@ -72,10 +102,18 @@ class NodeArrays:
     def keep(self, rows: np.ndarray) -> None:
         """Keep only these rows (ascending), in place."""
         k = len(rows)
+        old = self._where[:int(self.id[-1]) - self.base + 1] if self.n else self._where[:0]
+        old[:] = -1
         for b in self._buf.values():
             b[:k] = b[rows]
         self.n = k
         self._views()
+        if k:
+            self.base = int(self.id[0])
+            self._where[self.id - self.base] = np.arange(k)
+
+    def clear(self) -> None:
+        self.keep(np.zeros(0, np.int64))
 
 
 class NodeView:

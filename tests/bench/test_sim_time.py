@@ -332,14 +332,14 @@ def test_model_draft_counts_calls_and_rows(tiny_model):
 
 
 # -- end to end: results.json and the charged time ---------------------------------------------------------------
-def _sim(tiny_model8, tmp_path, draft_time_ms: str, name: str) -> dict:
+def _sim(tiny_model8, tmp_path, draft_time_ms: str, name: str, methods=("pp", "sps"), control_time="0") -> dict:
     from coordinator.bench.run import write_results
     from coordinator.bench.sim import run_simulated
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt_token_ids": [5, 6, 7]}))
-    cfg = BenchConfig(stages=[2], methods=["pp", "sps"], widths=[4], policies=["hybrid"], stage_time_ms="10",
+    cfg = BenchConfig(stages=[2], methods=list(methods), widths=[4], policies=["hybrid"], stage_time_ms="10",
                       max_new_tokens=6, prompts=str(prompts), num_prompts=0, out=str(tmp_path / name),
-                      model=str(tiny_model8), draft="quant", draft_time_ms=draft_time_ms, control_time="0")
+                      model=str(tiny_model8), draft="quant", draft_time_ms=draft_time_ms, control_time=control_time)
     write_results(run_simulated(cfg, log=lambda m: None), cfg.out)
     return json.loads((tmp_path / name / "results.json").read_text())
 
@@ -355,6 +355,7 @@ def test_simulated_bench_records_and_charges_the_model(tiny_model8, tmp_path):
             (("free", free), ("costly", costly), ("default", default))}
     for by in rows.values():
         assert by["pp"]["draft_share"] == 0.0 and by["pp"]["draft_calls_per_step"] == 0.0
+        assert by["pp"]["control_warm_ms_per_step_p50"] is None          # no control charged: nothing replayed
         assert by["pp"]["machine_bound"] is False and by["sps"]["compute_ms_per_step"] is None
     assert rows["free"]["pp"]["tbt_ms_mean"] == rows["costly"]["pp"]["tbt_ms_mean"]     # pp runs no draft
     free_sps, sps = rows["free"]["sps"], rows["costly"]["sps"]
@@ -364,6 +365,16 @@ def test_simulated_bench_records_and_charges_the_model(tiny_model8, tmp_path):
     # the draft time charged is exactly 7 ms per call + 0.5 ms per row, and sps waits for its draft each trip
     assert sps["draft_share"] * sps["wall_s"] * 1e3 == pytest.approx(7.0 * calls + 0.5 * draft_rows)
     assert sps["tbt_ms_mean"] > free_sps["tbt_ms_mean"]
+
+
+def test_simulated_bench_reports_the_replayed_control_time(tiny_model8, tmp_path):
+    """With control time charged, rows of methods whose draft runs beside the coordinator (or that have none)
+    carry the replayed (warm) control time per step; a trip baseline, whose draft runs in line, does not."""
+    res = _sim(tiny_model8, tmp_path, "0", "warm", methods=("pp", "specpipe", "sps"), control_time="measured")
+    rows = {r["method"]: r for r in res["rows"]}
+    for method in ("pp", "specpipe"):
+        assert rows[method]["control_warm_ms_per_step_p50"] > 0 and rows[method]["control_ms_per_step_p50"] > 0
+    assert rows["sps"]["control_warm_ms_per_step_p50"] is None
 
 
 # -- real runs: machine-bound --------------------------------------------------------------------------------------
@@ -439,3 +450,68 @@ def test_the_cost_rule_sizes_specpipe_to_the_clock(tiny_model, tiny_hf, profile,
         assert out.tokens == hf_greedy(tiny_hf, prompt, 40)
     assert sizer.choice.speculates is speculates
     assert (out.stats["sized_width"] > 0) is speculates
+
+
+# -- the control plane's own cost, replayed warm (SimulatedPipeline.replay) -------------------------------------------
+class CountingRunner:
+    """A stage runner that counts its steps (the replay must compute nothing)."""
+
+    def __init__(self, runner) -> None:
+        self.runner, self.steps = runner, 0
+
+    def step(self, batch):
+        self.steps += 1
+        return self.runner.step(batch)
+
+    def apply(self, control) -> None:
+        self.runner.apply(control)
+
+
+def _recorded_specpipe_run(tiny_model, width=8):
+    import copy
+    from coordinator.core.drafts.model import ModelDraft, quantized_copy
+    from coordinator.core.schedulers.registry import SpecOptions, make_scheduler
+    from helpers.reference import prompts
+    from helpers.shard import make_runners
+    draft = ModelDraft(quantized_copy(str(tiny_model)), name="quant")
+    runner = CountingRunner(make_runners(tiny_model, 1)[0])
+    sched = make_scheduler("specpipe", 4, SpecOptions(draft, width=width, topk=4, draft_rounds=2))
+    twin = copy.deepcopy(sched, {id(draft): draft})
+    pipe = SimulatedPipeline([runner], (5.0, 0.025), num_stages=4, hop_ms=0.5, draft_time=(1.5, 0.005),
+                             control_scale=1.0, record=True)
+    out = pipe.run(sched, [Request("a", prompts(1, seed=3)[0], 24)], draft=draft)["a"]
+    return pipe, twin, draft, runner, out
+
+
+def test_a_replay_repeats_the_runs_calls_without_the_model(tiny_model):
+    """The replay makes the same actions as the run (checked call by call inside replay), one step per result,
+    and runs neither the stages nor the draft: its times are the control plane's alone."""
+    pipe, twin, draft, runner, out = _recorded_specpipe_run(tiny_model)
+    assert len(out.tokens) == 24
+    names = [c.name for c in pipe.calls]
+    assert {"add", "on_result", "draft_job", "draft_done"} <= set(names)
+    steps, calls = runner.steps, (draft.calls, draft.rows)
+    warm = pipe.replay(twin)
+    assert runner.steps == steps and (draft.calls, draft.rows) == calls
+    assert len(warm.steps) == len(pipe.steps.steps) == names.count("on_result")
+    assert all(s.control_ms > 0 and s.draft_ms == 0 for s in warm.steps)
+
+
+def test_a_replay_that_diverges_is_refused(tiny_model):
+    """A recorded result changed (another target token for every output row) makes other commits: the replay
+    says so instead of timing other work."""
+    pipe, twin, *_ = _recorded_specpipe_run(tiny_model)
+    result = next(c for c in pipe.calls if c.name == "on_result" and c.args[0].argmax)
+    result.args[0].argmax = [(t + 1) % 256 for t in result.args[0].argmax]
+    with pytest.raises(RuntimeError, match="the replay of on_result made other actions than the run"):
+        pipe.replay(twin)
+
+
+def test_replay_needs_a_recorded_run_of_a_draft_beside_scheduler():
+    pipe = SimulatedPipeline([EchoRunner()], (10.0, 0.0), num_stages=1)
+    with pytest.raises(RuntimeError, match="record=True"):
+        pipe.replay(SlowChain(FakeDraft(), 1, 0.0, 0.0))
+    pipe = SimulatedPipeline([EchoRunner()], (10.0, 0.0), num_stages=1, record=True)
+    inline = SimpleNamespace(drafts_beside=False, draft=FakeDraft())
+    with pytest.raises(ValueError, match="runs its draft in line"):
+        pipe.replay(inline)

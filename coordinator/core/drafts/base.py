@@ -22,7 +22,7 @@ replacement) — in that order, with scores that never increase along it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -31,8 +31,9 @@ from services.sampling import GREEDY, Sampling
 from coordinator.core.proposals import ProposalRows
 
 
-@dataclass(frozen=True)
-class DraftNode:
+class DraftNode(NamedTuple):
+    """A node the draft is asked to expand (a tuple: a job makes one per node, on the control plane's hot
+    path)."""
     node_id: int
     parent_id: int
     position: int

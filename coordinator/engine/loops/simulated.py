@@ -24,11 +24,27 @@ Model (all in milliseconds):
 
 `steps` records, per pipeline step (one result handled and the calls up to the next), the control time and
 the modelled draft time charged.
+
+Control time measured in line is that of a coordinator whose caches the model just flushed: here the stage
+and the draft compute on the same CPU cores between the scheduler's calls (a 135M model streams ~270 MB of
+weights through them), and the tree code that follows runs cache-cold, 5-15x slower per call than warm. On a
+GPU host the model computes on the GPU and the coordinator's working set stays in its caches. With `record`
+the loop keeps every scheduler call and its inputs, and `replay(twin)` runs the same calls on a copy of the
+scheduler made before the run, with no model compute in between, timing each: the control plane's own cost,
+warm (`warm_steps`). The replay checks that it made the same actions as the run; the simulated clock keeps
+charging the in-line (cold) times, the conservative figure.
+
+    twin = copy.deepcopy(scheduler, {id(draft): draft})   # before the run (the draft is shared, not copied)
+    pipe = SimulatedPipeline(..., control_scale=1.0, record=True)
+    pipe.run(scheduler, requests, draft=draft)
+    pipe.replay(twin).summary()["control_ms_per_step_p50"]   # warm; pipe.steps holds the charged (cold) ones
 """
 from __future__ import annotations
 
+import copy
 import heapq
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -63,7 +79,7 @@ class SimulatedPipeline:
     def __init__(self, runners: list[StageRunner], stage_ms: tuple[float, float], num_stages: int | None = None,
                  hop_ms: float = 0.3,
                  draft_time: tuple[float, float] | tuple[str, float] = ("measured", 1.0),
-                 control_scale: float = 0.0) -> None:
+                 control_scale: float = 0.0, record: bool = False) -> None:
         """`runners` compute, in order, at the first len(runners) of `num_stages` simulated stages; the other
         stages only take time. One runner holding every layer is the cheapest way to simulate deep pipelines
         (SmolLM2 has 30 layers, so S=32 cannot be split for real)."""
@@ -84,6 +100,8 @@ class SimulatedPipeline:
         self.draft_ms = 0.0         # draft time charged to the coordinator in the last run
         self.control_ms = 0.0       # control time charged to the coordinator in the last run
         self.steps = StepMeter()    # the last run's control and draft time per step
+        self.record = record
+        self.calls: list[Call] = []  # with `record`: the last run's scheduler calls, for `replay`
 
     def _draft_counters(self, draft) -> tuple[float, int, int]:
         return (draft.compute_s, draft.calls, draft.rows) if draft is not None else (0.0, 0, 0)
@@ -115,6 +133,7 @@ class SimulatedPipeline:
         live = set(out)
         self.draft_ms = self.control_ms = 0.0
         self.steps = StepMeter()
+        self.calls = []
         waiting = deque(requests[clients:] if clients else [])
         arrivals: list[float] = []          # finish times at which the next waiting request arrives
         sent_at: dict[int, float] = {}      # micro-batch id -> when it was injected (for its trip_ms)
@@ -151,11 +170,14 @@ class SimulatedPipeline:
         def call(fn, *args, result: bool = False) -> tuple[object, list, float, float]:
             """fn(*args) and poll, timed: (fn's result, actions, control ms charged, draft ms charged)."""
             before = self._draft_counters(draft)
+            kept = _keep(fn.__name__, args) if self.record else None     # (copied before the call may change it)
             (out, actions), control, _ = timed(lambda: (fn(*args), scheduler.poll()), draft=draft)
             spent = self._draft_spent(before, self._draft_counters(draft))
             control *= self.control_scale
             if charge is not None:                     # as the engine does: the requests' stats, the cost rule
                 charge(control)
+            if kept is not None:
+                self.calls.append(Call(fn.__name__, kept, control, result, _signature(actions)))
             self.steps.add(control, spent, result=result)
             self.control_ms += control
             self.draft_ms += spent
@@ -272,3 +294,62 @@ class SimulatedPipeline:
             raise RuntimeError(f"simulation ended with requests still running: {sorted(live)}")
         return out
 
+    def replay(self, twin: Scheduler) -> StepMeter:
+        """The recorded calls again on `twin` (a copy of the scheduler made before the run), back to back with
+        no model compute between them: the control time of each, warm, by step. Raises RuntimeError when the
+        replay's actions differ from the run's (then the times would be of other work)."""
+        if not self.record:
+            raise RuntimeError("replay needs a run with record=True")
+        if not twin.drafts_beside and getattr(twin, "draft", None) is not None:
+            raise ValueError("a scheduler that runs its draft in line cannot be replayed without the model")
+        meter, jobs = StepMeter(), deque()
+        charge = getattr(twin, "charge_control", None)
+        for call in self.calls:
+            args = copy.deepcopy(call.args)
+            if call.name == "draft_done":
+                args = (jobs.popleft(), args[1])
+            start = time.perf_counter()
+            out = getattr(twin, call.name)(*args)
+            actions = twin.poll()
+            meter.add((time.perf_counter() - start) * 1e3 * self.control_scale, result=call.result)
+            if call.name == "draft_job" and out is not None:
+                jobs.append(out)
+            if charge is not None:                     # the cost rule sees what the run charged: same choices
+                charge(call.charged)
+            if _signature(actions) != call.actions:
+                raise RuntimeError(f"the replay of {call.name} made other actions than the run")
+        return meter
+
+
+@dataclass
+class Call:
+    """One scheduler call of a recorded run: its inputs, the control time it was charged, its actions."""
+    name: str
+    args: tuple
+    charged: float
+    result: bool
+    actions: list[tuple]
+
+
+def _keep(name: str, args: tuple) -> tuple:
+    """A call's inputs as the replay needs them: copies (the scheduler may change what it is given); a draft
+    job is the twin's own (its i-th), so only its results are kept."""
+    if name == "draft_done":
+        return (None, copy.deepcopy(args[1]))
+    return copy.deepcopy(args)
+
+
+def _signature(actions: list) -> list[tuple]:
+    """What a replay must repeat: every action's kind and content that names nodes or tokens."""
+    out: list[tuple] = []
+    for a in actions:
+        if isinstance(a, Inject):
+            out.append(("inject", tuple((s.request_id, tuple(s.node_ids)) for s in a.batch.segments)))
+        elif isinstance(a, Broadcast):
+            c = a.control
+            out.append(("control", c.request_id, tuple(c.commit), tuple(c.prune), c.release))
+        elif isinstance(a, Emit):
+            out.append(("emit", a.request_id, tuple(a.token_ids)))
+        elif isinstance(a, Finish):
+            out.append(("finish", a.request_id, a.reason))
+    return out
