@@ -11,12 +11,14 @@ import asyncio
 import functools
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prometheus_client import Counter
 
+from services.batch import MicroBatch
 from services.logs import get_logger
 from services.sampling import GREEDY, Sampling
 
@@ -37,7 +39,9 @@ INVALID_RESULTS = Counter("specpipe_invalid_results_total", "Results of the last
 
 
 class Engine:
-    """Ownership: the schedulers' state is touched only inside `_call` (under `_lock`, in a worker thread);
+    """Ownership: a scheduler's state is touched only inside `_call` (under that scheduler's own lock, in a
+    worker thread: one method's in-line draft work, a trip baseline's prefill say, never holds another's
+    results back);
     the draft model only on the draft thread (`_draft_pool`, one thread for every scheduler: they share the
     draft), where `specpipe`'s draft jobs run beside the scheduler calls (`_draft_rounds`) and the trip
     baselines' `work` runs in line; the loop owns the request table, the batches in flight and the
@@ -57,7 +61,10 @@ class Engine:
         self._orphans: set[str] = set()                         # wire ids a failed pipeline may still hold
         self._in_flight = InFlight(batch_timeout_s)
         self._work: asyncio.Queue[tuple[Scheduler, Action]] = asyncio.Queue()
-        self._lock = asyncio.Lock()
+        self._locks: weakref.WeakKeyDictionary[Scheduler, asyncio.Lock] = weakref.WeakKeyDictionary()
+        # results, per scheduler in arrival order, each scheduler's handled by a task of its own: one whose lock
+        # is held (its in-line draft) holds back its own results only
+        self._inboxes: dict[Scheduler, tuple[asyncio.Queue[MicroBatch], asyncio.Task[None]]] = {}
         self._transition = asyncio.Lock()      # a restart waits for a suspend still under way
         self._executor: asyncio.Task[None] | None = None
         self._pump_task: asyncio.Task[None] | None = None
@@ -107,10 +114,10 @@ class Engine:
             await asyncio.wait_for(self._work.join(), timeout=5)
         except asyncio.TimeoutError:
             log.warning("closing with undelivered actions", left=self._work.qsize())
-        tasks = [t for t in (self._executor, self._pump_task, self._watchdog) if t is not None]
+        tasks = [t for t in (self._executor, self._watchdog) if t is not None]
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(self._stop_pump(), *tasks, return_exceptions=True)
         self._draft_pool.shutdown(wait=True)
 
     async def drained(self, poll_s: float = 0.05) -> None:
@@ -196,7 +203,7 @@ class Engine:
         """Run `fn` on `sched` in a worker thread (`on_draft`: on the draft thread, for calls that run the
         draft in line) and queue the actions it produced. A retired scheduler (see `suspend`) is not called
         any more: the result is None."""
-        async with self._lock:
+        async with self._lock(sched):
             if not self._current(sched):
                 return None
             draft = getattr(sched, "draft", None) if on_draft else None     # its compute is not control time
@@ -238,6 +245,13 @@ class Engine:
         finally:
             self._drafting.discard(sched)
 
+    def _lock(self, sched: Scheduler) -> asyncio.Lock:
+        """The lock of one scheduler's state (made on first use; gone with the scheduler)."""
+        lock = self._locks.get(sched)
+        if lock is None:
+            lock = self._locks[sched] = asyncio.Lock()
+        return lock
+
     def _current(self, sched: Scheduler) -> bool:
         return any(s is sched for s in self._schedulers.values())
 
@@ -278,11 +292,13 @@ class Engine:
             self._pump_task = asyncio.create_task(self._pump(self._transport), name="engine-pump")
 
     async def _stop_pump(self) -> None:
-        """Stop reading results; forget the micro-batches in flight."""
-        task, self._pump_task = self._pump_task, None
-        if task is not None:
+        """Stop reading results (and handling those read); forget the micro-batches in flight."""
+        tasks = [self._pump_task] if self._pump_task is not None else []
+        tasks += [task for _, task in self._inboxes.values()]
+        self._pump_task, self._inboxes = None, {}
+        for task in tasks:
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._in_flight.forget()
 
     async def _pump(self, transport: Transport) -> None:
@@ -297,17 +313,27 @@ class Engine:
                 batch.arrived_ms = now * 1e3
                 self._requests.account(batch, sent, now)
                 self._requests.returned(batch, now)
-                invalid = sched.invalid_results
-                try:
-                    await self._call(sched, sched.on_result, batch)
-                    if sched.invalid_results != invalid:
-                        INVALID_RESULTS.inc()
-                        log.warning("the last stage answered a micro-batch wrongly: its requests failed",
-                                    batch_id=batch.batch_id, fault=sched.last_fault)
-                except Exception as e:     # the scheduler failed on this result: its requests' fault
-                    self._fail_requests(sched, [s.request_id for s in batch.segments], e)
+                inbox = self._inboxes.get(sched)
+                if inbox is None:
+                    queue: asyncio.Queue[MicroBatch] = asyncio.Queue()
+                    inbox = self._inboxes[sched] = (queue, asyncio.create_task(self._results_of(sched, queue)))
+                inbox[0].put_nowait(batch)
         except Exception as e:
             self._transport_failed(e, transport)
+
+    async def _results_of(self, sched: Scheduler, queue: asyncio.Queue[MicroBatch]) -> None:
+        """One scheduler's results, in the order they came back."""
+        while True:
+            batch = await queue.get()
+            invalid = sched.invalid_results
+            try:
+                await self._call(sched, sched.on_result, batch)
+                if sched.invalid_results != invalid:
+                    INVALID_RESULTS.inc()
+                    log.warning("the last stage answered a micro-batch wrongly: its requests failed",
+                                batch_id=batch.batch_id, fault=sched.last_fault)
+            except Exception as e:     # the scheduler failed on this result: its requests' fault
+                self._fail_requests(sched, [s.request_id for s in batch.segments], e)
 
     def _finish(self, action: Finish) -> None:
         done = self._requests.finish(action, time.perf_counter())
@@ -368,27 +394,26 @@ class Engine:
         async with self._transition:
             self.admission.hold()
             self._state, self._why = EngineState.SUSPENDED, ""
-            async with self._lock:
-                retired = list(self._schedulers.values())
-                self._schedulers.clear()
+            retired = list(self._schedulers.values())     # (no call of theirs starts from here on)
+            self._schedulers.clear()
             await self._stop_pump()
 
-            def forget() -> list[Finish]:   # scheduler and draft state of every request they still ran
+            def forget(sched: Scheduler) -> list[Finish]:   # scheduler and draft state of its requests
                 ended = []
-                for sched in retired:
-                    for wire_id in list(sched.requests):
-                        sched.cancel(wire_id, FinishReason.STAGE_FAILURE)
-                    for action in sched.poll():
-                        self._orphans.update(wire_ids(action))
-                        if isinstance(action, Finish):
-                            ended.append(action)
+                for wire_id in list(sched.requests):
+                    sched.cancel(wire_id, FinishReason.STAGE_FAILURE)
+                for action in sched.poll():
+                    self._orphans.update(wire_ids(action))
+                    if isinstance(action, Finish):
+                        ended.append(action)
                 return ended
 
-            async with self._lock:
-                for ended in await asyncio.to_thread(forget):
-                    live = self._requests.current(ended.request_id)
-                    if live is not None:
-                        live.carry(ended.stats)
+            for sched in retired:           # each once the call it may be in has ended
+                async with self._lock(sched):
+                    for ended in await asyncio.to_thread(forget, sched):
+                        live = self._requests.current(ended.request_id)
+                        if live is not None:
+                            live.carry(ended.stats)
             loop = asyncio.get_running_loop()
             for sched in retired:           # the draft lets go of their requests (the releases queued)
                 if sched.has_work:

@@ -170,3 +170,35 @@ async def test_a_hundred_cancelled_or_expired_streams_leave_nothing(tiny_model):
         assert not coord.engine.spec.draft.runner.cache.requests
         assert not coord.engine.admission.active and not coord.engine.admission.queue
         assert rss_mb() < baseline + 150, "memory is back near its baseline"
+
+
+@pytest.mark.grpc
+async def test_a_baselines_long_draft_prefill_holds_back_no_other_stream(tiny_model, tiny_hf):
+    """`sps` runs its draft in line, the prompt's prefill first: a test double holds that prefill (a long
+    prompt's, as a big draft on a long prompt would) until the test lets it go. Meanwhile a `pp` stream runs
+    to the end, exact: the in-line draft holds its own scheduler only, not the engine."""
+    import threading
+    async with served_coordinator(str(tiny_model), 2, max_new_tokens_cap=64, default_max_new_tokens=8) as served:
+        draft = served.coord.engine.spec.draft
+        begin_many, held, go = draft.begin_many, threading.Event(), threading.Event()
+
+        def slow_begin(jobs, *args, **kwargs):
+            if any(len(prompt) > 100 for _, prompt, *_ in jobs):
+                held.set()
+                assert go.wait(timeout=60), "the test never let the prefill go"
+            return begin_many(jobs, *args, **kwargs)
+        draft.begin_many = slow_begin
+        client = Client(served.channel)
+        long_prompt = [3 + (7 * i) % 250 for i in range(300)]
+        baseline = asyncio.create_task(client.generate(prompt_token_ids=long_prompt, max_new_tokens=6,
+                                                       method="sps"))
+        try:
+            await wait_until(held.is_set, timeout=30, what="the sps prefill to start")
+            quick = await asyncio.wait_for(client.generate(prompt_token_ids=[5, 6, 7], max_new_tokens=12,
+                                                           method="pp"), timeout=30)
+            assert quick == hf_greedy(tiny_hf, [5, 6, 7], 12)
+            assert not baseline.done()            # still in its prefill
+        finally:
+            go.set()
+        assert await baseline == hf_greedy(tiny_hf, long_prompt, 6)
+        await wait_until_empty(served.stages, served.coord)

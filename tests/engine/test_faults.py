@@ -7,6 +7,7 @@ import threading
 
 import aiohttp
 import pytest
+import torch
 from prometheus_client import REGISTRY
 
 from coordinator.config import CoordinatorConfig
@@ -19,7 +20,7 @@ from coordinator.frontends.server import start, start_http
 from coordinator.frontends.service import Coordinator, GenerateInput
 from helpers.reference import hf_greedy
 from helpers.stage_servers import stage_servers
-from helpers.wait import wait_until
+from helpers.wait import wait_until, wait_until_empty
 from services.batch import MicroBatch, Segment
 from services.sampling import Sampling
 
@@ -173,5 +174,66 @@ async def test_a_repartition_drains_for_at_most_the_drain_timeout(tiny_model8, t
             await asyncio.wait_for(running, timeout=90)
             assert got == hf_greedy(tiny_hf8, [4, 5, 6], 80)
             await wait_until(lambda: not any(s.runner.cache.requests for s in servicers[:2]), what="stages empty")
+        finally:
+            await coord.close()
+
+
+@pytest.mark.grpc
+async def test_a_last_stage_answering_wrongly_over_grpc_fails_those_requests_only(tiny_model, tiny_hf):
+    """A stage double over real gRPC: the last stage's runner answers one micro-batch of request `wrong-id`
+    with another request's id, one of `few-rows` with a token too few, and one of `nan` (speculating, sampled,
+    verified by rejection: its micro-batches ship log-probabilities) with NaN log-probabilities. Each of the
+    three fails with INTERNAL naming the fault; two requests beside them are token-identical to transformers;
+    no recovery runs and no stage keeps anything."""
+    async with stage_servers(str(tiny_model), 2) as (addrs, servicers):
+        runner = servicers[-1].runner
+        step, spoilt = runner.step, set()
+
+        def answer_wrongly(batch: MicroBatch) -> MicroBatch:
+            out = step(batch)
+            rids = [s.request_id for s in out.segments]
+            victim = next((r for r in ("wrong-id", "few-rows", "nan") if r in rids and r not in spoilt), None)
+            if victim == "wrong-id":
+                out.segments = [Segment("someone-else", s.node_ids, s.parent_ids, s.positions, s.token_ids,
+                                        s.want_output) if s.request_id == victim else s for s in out.segments]
+            elif victim == "few-rows" and out.argmax:
+                out.argmax = list(out.argmax)[:-1]
+            elif victim == "nan" and out.logprobs is not None and out.logprobs.numel():
+                out.logprobs = torch.full_like(out.logprobs, float("nan"))
+            else:
+                return out
+            spoilt.add(victim)
+            return out
+        runner.step = answer_wrongly
+        cfg = CoordinatorConfig(stages=tuple(addrs), model=str(tiny_model), port=0, recovery_timeout_s=30,
+                                probe_interval_s=0, verify="rejection")
+        coord = await Coordinator.connect(cfg)
+        before = failures("recovered") + failures("gave_up") + failures("failed")
+        pinned = {"width": 4, "topk": 2, "draft_rounds": 1}      # speculating whatever the cost rule would say
+
+        async def run(rid: str, prompt: list[int], **kw) -> tuple[list[int], FinishReason | None, str]:
+            tokens, reason, error = [], None, ""
+            try:
+                async for chunk in coord.generate(GenerateInput(prompt_token_ids=prompt, max_new_tokens=10,
+                                                                ignore_eos=True, request_id=rid, **kw)):
+                    tokens += chunk.token_ids
+                    reason = chunk.finish_reason or reason
+            except Exception as e:                      # the API's error for a failed request
+                reason, error = FinishReason.ERROR, str(e)
+            return tokens, reason, error
+        try:
+            runs = await asyncio.wait_for(asyncio.gather(
+                run("wrong-id", [3, 4, 5], method="pp"), run("few-rows", [6, 7], method="cb-pp"),
+                run("nan", [8, 9, 10], method="specpipe", temperature=0.8, seed=5, spec_overrides=pinned),
+                run("good-pp", [11, 12], method="pp"),
+                run("good-spec", [13, 14, 15], method="specpipe", spec_overrides=pinned)), timeout=120)
+            out = dict(zip(["wrong-id", "few-rows", "nan", "good-pp", "good-spec"], runs))
+            assert spoilt == {"wrong-id", "few-rows", "nan"}
+            for rid, fault in (("wrong-id", "someone-else"), ("few-rows", "tokens"), ("nan", "NaN")):
+                assert out[rid][1] is FinishReason.ERROR and fault in out[rid][2], (rid, out[rid])
+            assert out["good-pp"][0] == hf_greedy(tiny_hf, [11, 12], 10)
+            assert out["good-spec"][0] == hf_greedy(tiny_hf, [13, 14, 15], 10)
+            assert failures("recovered") + failures("gave_up") + failures("failed") == before
+            await wait_until_empty(addrs, coord)
         finally:
             await coord.close()

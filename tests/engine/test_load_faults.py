@@ -1,6 +1,8 @@
 """One minute of load that mixes malformed and valid requests over gRPC and HTTP against real stages
 (issue 15): every malformed request is refused as INVALID_ARGUMENT / 400 naming what is wrong, every valid
-output is exact, the pipeline never recovers, and memory stays flat."""
+output is exact, the pipeline never recovers, and memory stays flat. Beside them (issue 26): health Watch
+streams held open beyond their bound, prompts of several prefill chunks with each of the six methods, and
+clients that hang up in the middle of a stream."""
 from __future__ import annotations
 
 import asyncio
@@ -64,13 +66,22 @@ def rss_bytes() -> int:
     pytest.fail("no VmRSS in /proc/self/status")
 
 
+METHODS = ["pp", "cb-pp", "specpipe", "sps", "tree", "pipeinfer"]
+CHUNK = 16          # --prefill-chunk: the long prompts below take 4 to 6 micro-batches
+
+
 @pytest.mark.slow
 async def test_a_minute_of_mixed_malformed_and_valid_requests(tiny_model, tiny_hf):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from services.grpc_server import WATCH_PER_PEER
     ps = prompts(6, seed=5)
-    want = {tuple(p): hf_greedy(tiny_hf, p, 8) for p in ps}
+    rng0 = random.Random(26)
+    long_ps = [[rng0.randrange(3, 256) for _ in range(rng0.randrange(4 * CHUNK, 6 * CHUNK))] for _ in range(3)]
+    want = {tuple(p): hf_greedy(tiny_hf, p, 8) for p in ps + long_ps}
     async with stage_servers(str(tiny_model), 2) as (addrs, servicers):
         cfg = CoordinatorConfig(stages=tuple(addrs), model=str(tiny_model), port=0, recovery_timeout_s=30,
-                                probe_interval_s=0.5, max_new_tokens_cap=64, default_max_new_tokens=8)
+                                probe_interval_s=0.5, max_new_tokens_cap=64, default_max_new_tokens=8,
+                                prefill_chunk=CHUNK)
         server, coord = await start(cfg)
         http = await start_http(cfg, coord, port=0)
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
@@ -79,7 +90,7 @@ async def test_a_minute_of_mixed_malformed_and_valid_requests(tiny_model, tiny_h
                                    response_deserializer=generation_pb2.GenerateResponse.FromString)
         url = f"http://127.0.0.1:{http.port}/v1/completions"
         before = failures()
-        counts = {"valid": 0, "refused": 0}
+        counts = {"valid": 0, "refused": 0, "long": 0, "hung_up": 0, "watch_refused": 0}
         loop = asyncio.get_running_loop()
         end = loop.time() + DURATION_S
         rss: list[int] = []
@@ -98,6 +109,41 @@ async def test_a_minute_of_mixed_malformed_and_valid_requests(tiny_model, tiny_h
             async with session.post(url, json=body) as resp:
                 assert resp.status == 200, await resp.text()
                 assert (await resp.json())["choices"][0]["token_ids"] == want[tuple(p)]
+
+        async def long_prompt(rng: random.Random) -> None:
+            p, method = rng.choice(long_ps), rng.choice(METHODS)
+            msgs = [m async for m in stub.Generate(generation_pb2.GenerateRequest(
+                prompt_token_ids=p, max_new_tokens=8, ignore_eos=True, method=method), timeout=60)]
+            assert [t for m in msgs for t in m.token_ids] == want[tuple(p)], method
+            counts["long"] += 1
+
+        async def hang_up(rng: random.Random) -> None:
+            p = rng.choice(ps)
+            call = stub.Generate(generation_pb2.GenerateRequest(prompt_token_ids=p, max_new_tokens=8,
+                                                                ignore_eos=True, method=rng.choice(METHODS)),
+                                 timeout=60)
+            async for _ in call:
+                call.cancel()                           # the client goes away after its first message
+                break
+            counts["hung_up"] += 1
+
+        async def watchers() -> None:
+            """Watch streams held for the whole run: the bound keeps WATCH_PER_PEER, refuses the rest, and
+            Check keeps answering."""
+            health = health_pb2_grpc.HealthStub(channel)
+            held = [health.Watch(health_pb2.HealthCheckRequest()) for _ in range(3 * WATCH_PER_PEER)]
+            for w in held:
+                try:
+                    assert (await w.read()).status == health_pb2.HealthCheckResponse.SERVING
+                except grpc.aio.AioRpcError as e:
+                    assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+                    counts["watch_refused"] += 1
+            while loop.time() < end:
+                check = await health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+                assert check.status == health_pb2.HealthCheckResponse.SERVING
+                await asyncio.sleep(DURATION_S / 20)     # a probe now and then (a period, not a wait)
+            for w in held:
+                w.cancel()
 
         async def bad_grpc(rng: random.Random) -> None:
             if rng.random() < 0.15:
@@ -129,8 +175,13 @@ async def test_a_minute_of_mixed_malformed_and_valid_requests(tiny_model, tiny_h
             rng = random.Random(i)
             async with aiohttp.ClientSession() as session:
                 while loop.time() < end:
-                    kind = rng.choice(["valid_grpc", "valid_http", "bad_grpc", "bad_http", "bad_grpc", "bad_http"])
-                    if kind == "valid_grpc":
+                    kind = rng.choice(["valid_grpc", "valid_http", "bad_grpc", "bad_http", "bad_grpc", "bad_http",
+                                       "long_prompt", "hang_up"])
+                    if kind == "long_prompt":
+                        await long_prompt(rng)
+                    elif kind == "hang_up":
+                        await hang_up(rng)
+                    elif kind == "valid_grpc":
                         await valid_grpc(rng)
                     elif kind == "valid_http":
                         await valid_http(session, rng)
@@ -138,7 +189,8 @@ async def test_a_minute_of_mixed_malformed_and_valid_requests(tiny_model, tiny_h
                         await bad_grpc(rng)
                     else:
                         await bad_http(session, rng)
-                    counts["valid" if kind.startswith("valid") else "refused"] += 1
+                    if kind.startswith(("valid", "bad")):
+                        counts["valid" if kind.startswith("valid") else "refused"] += 1
 
         async def sample_memory() -> None:
             while loop.time() < end:
@@ -146,8 +198,10 @@ async def test_a_minute_of_mixed_malformed_and_valid_requests(tiny_model, tiny_h
                 await asyncio.sleep(DURATION_S / 30)        # 30 samples over the run (a period, not a wait)
 
         try:
-            await asyncio.gather(*(worker(i) for i in range(WORKERS)), sample_memory())
+            await asyncio.gather(*(worker(i) for i in range(WORKERS)), sample_memory(), watchers())
             assert counts["valid"] >= 20 and counts["refused"] >= 40, counts
+            assert counts["long"] >= 6 and counts["hung_up"] >= 3 and counts["watch_refused"] == 2 * WATCH_PER_PEER, \
+                counts
             assert failures() == before                     # not one pipeline recovery
             assert coord.recovery is not None and not coord.recovery.running
             assert coord.engine.active == 0 and not coord.engine.admission.active
