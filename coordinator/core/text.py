@@ -11,7 +11,8 @@ character and holding back any tail that could still become a stop string:
 
 Decoding is incremental (the prefix-offset window of vLLM's detokenizer, `tokenizers`' DecodeStream): only
 the ids since the last point where the text was complete (no trailing U+FFFD), plus one chunk before it for
-context, are decoded again, so a request costs O(tokens), not O(tokens^2). The text is the one decoding
+context, are decoded again, so a request costs O(tokens), not O(tokens^2) — also when the text keeps ending
+in U+FFFD (invalid bytes): past STUCK such ids the window restarts where the text splits cleanly. The text is the one decoding
 all ids at once gives, for decoders whose output after a complete character does not depend on the ids
 before it (byte-level BPE as in Llama 3 / SmolLM2, SentencePiece with byte fallback).
 
@@ -27,6 +28,8 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 REPLACEMENT = "\ufffd"      # what decoding puts for an incomplete (or invalid) UTF-8 sequence
+STUCK = 16       # ids with the text ending in U+FFFD after which the window is split (TextStream._settle)
+TAIL = 8         # ids kept in the window when it is split: more than any one character spans
 
 
 class Fed(NamedTuple):
@@ -95,6 +98,28 @@ class TextStream:
             self._read = len(self._window)
             self._prefix = self.decode(self._window)
             self._partial = 0
+        elif len(self._window) - self._read > STUCK:
+            self._settle(text)
+
+    def _settle(self, text: str) -> None:
+        """The text has ended in U+FFFD for more than STUCK ids (invalid bytes, not a character still
+        arriving): restart the window TAIL ids from its end, where the text splits — decoding the head and
+        the tail apart gives the same text — so each id is decoded a bounded number of times, not once per
+        later id. Text of the head not yet taken (its final U+FFFDs) moves to `_pending`.
+
+            window: 40 ids of 0xFF (text: 40 U+FFFD, none taken yet: each might still start a character)
+            -> pending gains 32 U+FFFD; the window keeps the last 8 ids
+        """
+        j = len(self._window) - TAIL
+        head = self.decode(self._window[:j])
+        tail = self.decode(self._window[j:])
+        if head + tail != text:
+            return                   # no clean split there yet (a character spans it): try with the next id
+        taken = len(self._prefix) + self._partial      # characters of `text` already in `_pending`
+        if taken < len(head):
+            self._pending += head[taken:]
+        self._window, self._read, self._prefix = self._window[j:], 0, ""
+        self._partial = max(0, taken - len(head))
 
     def _state(self) -> tuple[list[int], int, str, int, str]:
         return list(self._window), self._read, self._prefix, self._partial, self._pending

@@ -292,3 +292,37 @@ def test_prompt_encoder_with_fake_tokenizer() -> None:
     assert p.encode("hi", chat=False) == [104, 105]
     assert p.encode("hi", chat=True) == [1, 104, 105, 2]
     assert p.decode([1, 104, 105, 2]) == "hi"
+
+
+# -- a text that keeps ending in U+FFFD stays linear ---------------------------------------------------------
+def test_invalid_bytes_without_end_are_decoded_a_bounded_number_of_times() -> None:
+    """5,000 ids of 0xFF one at a time (a model emitting invalid bytes): every U+FFFD is emitted once, in
+    order, and the ids decoded over the whole stream stay within a constant per id (a window that grew with
+    the run would decode ~12.5 million)."""
+    decoded = []
+
+    def counting(ids: list[int]) -> str:
+        decoded.append(len(ids))
+        return decode(ids)
+    s = TextStream(counting)
+    out = "".join(s.feed([0xFF]).text for _ in range(5000)) + s.flush()
+    assert out == "\ufffd" * 5000
+    assert sum(decoded) < 60 * 5000
+
+
+def test_a_split_window_keeps_characters_that_span_it() -> None:
+    """Invalid bytes, then a 4-byte character arriving one byte at a time, then more invalid bytes and a
+    character: the same text as decoding all at once, with the character never split."""
+    stream = [0xFF] * 20 + [0xF0, 0x9F, 0x98, 0x80] + [0xC3] * 3 + [0xFF] * 30 + list("é!".encode())
+    s = TextStream(decode)
+    out = "".join(s.feed([b]).text for b in stream) + s.flush()
+    assert out == decode(stream)
+
+
+@settings(max_examples=300, deadline=None)
+@given(chunks=st.lists(st.lists(st.sampled_from([0xFF, 0x80, 0xC3, 0xA9, 0xE2, 0x82, 0xAC, 0xF0, 0x9F, 0x41]),
+                                max_size=12), max_size=12))
+def test_property_long_runs_of_broken_utf8_give_the_full_text(chunks: list[list[int]]) -> None:
+    s = TextStream(decode)
+    emitted = "".join(s.feed(c).text for c in chunks)
+    assert emitted + s.flush() == decode([b for c in chunks for b in c])
