@@ -13,7 +13,7 @@ TORCH_INDEX ?=
 EXTRAS  ?= [test]
 HELM    ?= 1
 
-.PHONY: run test test-fast install install-runtime protos docs chart lint clean gpu-check
+.PHONY: run test test-fast test-timing install install-runtime protos docs chart lint clean gpu-check
 
 install: $(STAMP)
 
@@ -36,13 +36,17 @@ run: install
 
 # Every tier (what CI runs).
 test: install
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra -m "not timing"
+
+# Benchmark-style checks with generous bounds on wall-clock pace (a /tokenize flood beside a stream): run alone.
+test-timing: install
+	$(BIN)/python -m pytest -q -ra -s -m timing
 
 # The edit loop (a few minutes on 2 cores): unit and in-process tests and the gRPC smoke tests; not the tests
 # marked slow (the real default model, minute-long runs, the wide cases of the test matrices) nor those marked
 # grpc (real servers and stage processes) unless marked smoke (tests/helpers/tiers.py).
 test-fast: install
-	$(BIN)/python -m pytest -q -ra -m "not slow and (not grpc or smoke)"
+	$(BIN)/python -m pytest -q -ra -m "not slow and not timing and (not grpc or smoke)"
 
 # On a CUDA machine: shard equivalence in bf16 against transformers, every method over 1, 2, 4 stage processes,
 # a short bench with real GPU stage time; one summary (out/gpu-check/gpu_check.json).

@@ -23,7 +23,7 @@ T = TypeVar("T")
 
 
 class Prework:
-    def __init__(self, threads: int = 2, limit: int = 64, per_client: int = 0) -> None:
+    def __init__(self, threads: int = 1, limit: int = 64, per_client: int = 0) -> None:
         if threads < 1 or limit < 1 or per_client < 0:
             raise ValueError("prework needs at least one thread and a limit of at least 1")
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="specpipe-prework")

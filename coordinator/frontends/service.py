@@ -172,8 +172,9 @@ class Coordinator:
                     yield chunk
 
     async def _generate(self, inp: GenerateInput, metrics: RequestMetrics) -> AsyncIterator[Chunk]:
-        try:                      # tokenising a long prompt is neither the loop's work nor the engine's threads'
-            params = await self.prework.run(inp.client, self.prepare, inp)
+        try:                      # tokenising a long prompt is neither the loop's work nor the engine's threads';
+            # token ids need checking only (linear, cheap): a flood of text work never refuses them
+            params = await self.prework.run(inp.client, self.prepare, inp) if inp.prompt else self.prepare(inp)
         except Overloaded as e:
             raise GenerationFailed(str(e), Status.RESOURCE_EXHAUSTED) from None
         eos = frozenset() if params.ignore_eos else self.eos_ids
