@@ -1,6 +1,7 @@
-"""The tiers, by marker (declared in pyproject.toml): `make test` runs everything; `make test-fast`, the edit
-loop, runs `-m "not slow and (not grpc or smoke)"` — it leaves out what is `slow` and what runs real gRPC
-servers or processes (`grpc`) except the few `smoke` tests among those.
+"""The tiers, by marker (declared in pyproject.toml): `make test` runs everything but `timing` (wall-clock
+checks, `make test-timing`); `make test-fast`, the edit loop, runs `-m "not slow and not timing and (not grpc
+or smoke)"` — it leaves out what is `slow` and what runs real gRPC servers or processes (`grpc`) except the
+few `smoke` tests among those.
 
 A test matrix keeps its breadth in `make test` and one case per value of each axis in `make test-fast`:
 
