@@ -102,7 +102,8 @@ def table(result: dict) -> str:
         lines.append(f"{r['stages']:>3} {level_name(r):>3} {r['label']:<34} {r['tbt_ms_mean']:>8.1f} "
                      f"{r['tbt_ms_p90']:>8.1f} "
                      f"{r['ttft_ms_mean']:>8.0f} {tps:>9} {r.get('decode_tokens_per_step') or 0:>8.2f} {hit:>6} "
-                     f"{r['throughput_tok_s']:>7.2f} {100 * r['draft_share']:>6.1f}% {ovh:>6} {ctl:>7} {warm:>6}  {flag}")
+                     f"{r['throughput_tok_s']:>7.2f} {100 * r['draft_share']:>6.1f}% {ovh:>6} {ctl:>7} {warm:>6}  "
+                     f"{flag}")
     lines += ratios(rows)
     base = {r["stages"]: r["tbt_ms_mean"] for r in rows if r["method"] == "pp" and r["concurrency"] == 1}
     for r in rows:

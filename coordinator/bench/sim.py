@@ -22,7 +22,7 @@ from services.runner import StageRunner
 from coordinator.bench.common import BenchConfig, Variant, load_prompts, poisson_arrivals, summarize
 from coordinator.core.drafts.factory import build_draft
 from coordinator.engine.meter import StepMeter
-from coordinator.engine.loops.simulated import SimulatedPipeline
+from coordinator.engine.loops.simulated import SimulatedPipeline, replayable
 from coordinator.core.schedulers.base import Request
 from coordinator.core.schedulers.registry import SpecOptions, make_scheduler
 from coordinator.frontends.service import load_tokenizer
@@ -100,7 +100,7 @@ def run_simulated(cfg: BenchConfig, log=print) -> dict:
 def _twin(sched, draft, control_scale: float):
     """A copy of a scheduler before its run, to replay the run's calls on (the draft is shared, not copied);
     None where there is nothing to replay (control time not charged, or a draft that runs in line)."""
-    if control_scale == 0 or (not sched.drafts_beside and getattr(sched, "draft", None) is not None):
+    if control_scale == 0 or not replayable(sched):
         return None
     return copy.deepcopy(sched, {id(draft): draft})
 

@@ -12,9 +12,9 @@ character and holding back any tail that could still become a stop string:
 Decoding is incremental (the prefix-offset window of vLLM's detokenizer, `tokenizers`' DecodeStream): only
 the ids since the last point where the text was complete (no trailing U+FFFD), plus one chunk before it for
 context, are decoded again, so a request costs O(tokens), not O(tokens^2) — also when the text keeps ending
-in U+FFFD (invalid bytes): past STUCK such ids the window restarts where the text splits cleanly. The text is the one decoding
-all ids at once gives, for decoders whose output after a complete character does not depend on the ids
-before it (byte-level BPE as in Llama 3 / SmolLM2, SentencePiece with byte fallback).
+in U+FFFD (invalid bytes): past STUCK such ids the window restarts where the text splits cleanly. The text
+is the one decoding all ids at once gives, for decoders whose output after a complete character does not
+depend on the ids before it (byte-level BPE as in Llama 3 / SmolLM2, SentencePiece with byte fallback).
 
 Stop strings and token ids: a stop string is checked after every token, as if tokens came one at a time —
 the earliest-starting stop string in the text up to the first token whose text completes one wins — and
@@ -98,23 +98,23 @@ class TextStream:
             self._read = len(self._window)
             self._prefix = self.decode(self._window)
             self._partial = 0
-        elif len(self._window) - self._read > STUCK:
-            self._settle(text)
+        elif (stuck := len(self._window) - self._read) >= STUCK and stuck % STUCK == 0:
+            self._settle(text)       # every STUCK ids at most: a split that fails costs no decode per id
 
     def _settle(self, text: str) -> None:
-        """The text has ended in U+FFFD for more than STUCK ids (invalid bytes, not a character still
+        """The text has ended in U+FFFD for STUCK ids or a multiple (invalid bytes, not a character still
         arriving): restart the window TAIL ids from its end, where the text splits — decoding the head and
         the tail apart gives the same text — so each id is decoded a bounded number of times, not once per
         later id. Text of the head not yet taken (its final U+FFFDs) moves to `_pending`.
 
-            window: 40 ids of 0xFF (text: 40 U+FFFD, none taken yet: each might still start a character)
-            -> pending gains 32 U+FFFD; the window keeps the last 8 ids
+            window: 16 ids of 0xFF (text: 16 U+FFFD, none taken yet: each might still start a character)
+            -> pending gains 8 U+FFFD; the window keeps the last 8 ids
         """
         j = len(self._window) - TAIL
         head = self.decode(self._window[:j])
         tail = self.decode(self._window[j:])
         if head + tail != text:
-            return                   # no clean split there yet (a character spans it): try with the next id
+            return                   # no clean split there (a character spans it): try STUCK ids later
         taken = len(self._prefix) + self._partial      # characters of `text` already in `_pending`
         if taken < len(head):
             self._pending += head[taken:]

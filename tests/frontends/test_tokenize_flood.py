@@ -16,9 +16,9 @@ import grpc
 import pytest
 
 from coordinator.config import CoordinatorConfig
+from coordinator.engine.local import LocalStages
 from coordinator.frontends.server import start, start_http
 from helpers.reference import hf_greedy
-from coordinator.engine.local import LocalStages
 from protos import generation_pb2, generation_pb2_grpc
 
 pytestmark = pytest.mark.grpc

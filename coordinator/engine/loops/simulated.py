@@ -27,12 +27,13 @@ the modelled draft time charged.
 
 Control time measured in line is that of a coordinator whose caches the model just flushed: here the stage
 and the draft compute on the same CPU cores between the scheduler's calls (a 135M model streams ~270 MB of
-weights through them), and the tree code that follows runs cache-cold, 5-15x slower per call than warm. On a
-GPU host the model computes on the GPU and the coordinator's working set stays in its caches. With `record`
-the loop keeps every scheduler call and its inputs, and `replay(twin)` runs the same calls on a copy of the
-scheduler made before the run, with no model compute in between, timing each: the control plane's own cost,
-warm (`warm_steps`). The replay checks that it made the same actions as the run; the simulated clock keeps
-charging the in-line (cold) times, the conservative figure.
+weights through them), and the tree code that follows runs cache-cold (5-15x slower per call in an ad-hoc
+micro-benchmark). On a GPU host the model computes on the GPU and the coordinator's working set stays in
+its caches. With `record` the loop keeps every scheduler call and its inputs, and `replay(twin)` runs the
+same calls on a copy of the scheduler made before the run, with no model compute in between, timing each:
+the control plane's own cost, warm (a StepMeter, once per recorded run). The replay checks that it made the
+same actions as the run; the simulated clock keeps charging the in-line (cold) times, the conservative
+figure.
 
     twin = copy.deepcopy(scheduler, {id(draft): draft})   # before the run (the draft is shared, not copied)
     pipe = SimulatedPipeline(..., control_scale=1.0, record=True)
@@ -300,14 +301,12 @@ class SimulatedPipeline:
         replay's actions differ from the run's (then the times would be of other work)."""
         if not self.record:
             raise RuntimeError("replay needs a run with record=True")
-        if not twin.drafts_beside and getattr(twin, "draft", None) is not None:
+        if not replayable(twin):
             raise ValueError("a scheduler that runs its draft in line cannot be replayed without the model")
         meter, jobs = StepMeter(), deque()
         charge = getattr(twin, "charge_control", None)
-        for call in self.calls:
-            args = copy.deepcopy(call.args)
-            if call.name == "draft_done":
-                args = (jobs.popleft(), args[1])
+        for call in self.calls:                        # (the recorded inputs are copies: handed over as they are)
+            args = (jobs.popleft(), call.args[1]) if call.name == "draft_done" else call.args
             start = time.perf_counter()
             out = getattr(twin, call.name)(*args)
             actions = twin.poll()
@@ -319,6 +318,12 @@ class SimulatedPipeline:
             if _signature(actions) != call.actions:
                 raise RuntimeError(f"the replay of {call.name} made other actions than the run")
         return meter
+
+
+def replayable(scheduler: Scheduler) -> bool:
+    """Whether a run of this scheduler can be replayed without the model: its draft (if any) runs beside it,
+    as jobs whose results the run recorded, not in line inside its calls."""
+    return scheduler.drafts_beside or getattr(scheduler, "draft", None) is None
 
 
 @dataclass
