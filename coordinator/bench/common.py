@@ -19,7 +19,7 @@ from pathlib import Path
 from services.config import parse_draft_time, parse_stage_time
 
 from coordinator.core.schedulers.registry import Speculation
-from coordinator.engine.live import TTFTPhase
+from coordinator.core.stats import TTFTPhase
 from coordinator.engine.meter import quantile
 from coordinator.frontends.service import Coordinator, GenerateInput
 
@@ -234,7 +234,7 @@ async def generate_one(coordinator: Coordinator, v: Variant, prompt: dict, max_n
     last = None
     async for chunk in coordinator.generate(inp):
         last = chunk
-    return dict(last.stats)
+    return last.stats.as_dict()
 
 
 def ttft_phases(runs: list[dict]) -> dict[str, float] | None:

@@ -64,7 +64,7 @@ def run_simulated(cfg: BenchConfig, log=print) -> dict:
                 rid = f"sim{next(ids)}"
                 calls, drows = (draft.calls, draft.rows) if draft is not None else (0, 0)
                 o = pipe.run(sched, [Request(rid, prompt, cfg.max_new_tokens)], draft=draft)[rid]
-                stats = dict(o.stats, tbt_ms=o.tbt_ms, ttft_ms=o.ttft_ms, wall_ms=o.end_ms - o.start_ms,
+                stats = dict(o.stats.as_dict(), tbt_ms=o.tbt_ms, ttft_ms=o.ttft_ms, wall_ms=o.end_ms - o.start_ms,
                              draft_ms=pipe.draft_ms, control_ms=pipe.control_ms)   # charged on the simulated clock
                 meters[v].extend(pipe.steps)
                 if twin is not None:
@@ -137,7 +137,7 @@ def _levels(cfg: BenchConfig, num_stages: int, runner: StageRunner, draft, token
                 out = pipe.run(sched, reqs, draft=draft, arrive_ms=poisson_arrivals(n, rate))
             else:
                 out = pipe.run(sched, reqs, draft=draft, clients=level)
-            runs = [dict(o.stats, tbt_ms=o.tbt_ms, ttft_ms=o.ttft_ms, wall_ms=o.end_ms - o.start_ms)
+            runs = [dict(o.stats.as_dict(), tbt_ms=o.tbt_ms, ttft_ms=o.ttft_ms, wall_ms=o.end_ms - o.start_ms)
                     for o in out.values()]
             wall_s = max(o.end_ms for o in out.values()) / 1e3
             row = level_row(v, num_stages, None if rate else level, runs, wall_s, stage_time, request_rate=rate)

@@ -261,6 +261,7 @@ async def _start_local(args: argparse.Namespace) -> tuple[str, LocalStages]:
 async def cmd_run(args: argparse.Namespace) -> int:
     from coordinator.config import CoordinatorConfig
     from coordinator.frontends.service import Coordinator
+    from coordinator.core.stats import RequestStats
 
     model, stages = await _start_local(args)
     coordinator = None
@@ -277,21 +278,19 @@ async def cmd_run(args: argparse.Namespace) -> int:
                 print(chunk.text, end="", flush=True)
             last = chunk
         wall = time.perf_counter() - started
-        stats = last.stats or {}
+        stats = last.stats or RequestStats()
+        shown = ("steps", "tokens_per_step", "tbt_ms", "ttft_ms", "prompt_tokens", "wall_ms")
         result = {"text": "".join(text), "token_ids": ids, "method": config.method, "stages": args.stages,
-                  "finish_reason": last.finish_reason,
-                  "steps": int(stats.get("steps", 0)), "tokens_per_step": stats.get("tokens_per_step", 0.0),
-                  "tbt_ms": stats.get("tbt_ms", 0.0), "ttft_ms": stats.get("ttft_ms", 0.0),
-                  "prompt_tokens": int(stats.get("prompt_tokens", 0)), "wall_s": wall,
-                  "counters": {k: v for k, v in stats.items() if k not in ("steps", "tokens_per_step",
-                               "tbt_ms", "ttft_ms", "prompt_tokens", "wall_ms")}}
+                  "finish_reason": last.finish_reason, "steps": stats.steps,
+                  "tokens_per_step": stats.tokens_per_step, "tbt_ms": stats.tbt_ms, "ttft_ms": stats.ttft_ms,
+                  "prompt_tokens": stats.prompt_tokens, "wall_s": wall,
+                  "counters": {k: v for k, v in stats.as_dict().items() if k not in shown}}
         if args.json:
             print(json.dumps(result))
         else:
             print()
-            print(summary_line(len(ids), last.finish_reason, stats.get("tokens_per_step", 0.0),
-                               stats.get("tbt_ms", 0.0), stats.get("ttft_ms", 0.0), stats.get("wall_ms", 0.0) / 1e3,
-                               stats.get("sized_width")),
+            print(summary_line(len(ids), last.finish_reason, stats.tokens_per_step, stats.tbt_ms, stats.ttft_ms,
+                               stats.wall_ms / 1e3, stats.sized_width),
                   file=sys.stderr, flush=True)
         return 0
     finally:

@@ -24,9 +24,10 @@ from services.sampling import GREEDY, Sampling
 
 from coordinator.core.admission import Admission, kv_need
 from coordinator.core.schedulers.base import Action, Broadcast, Emit, Finish, Inject, Request, Scheduler
+from coordinator.core.stats import RequestStats
 from coordinator.core.schedulers.registry import SpecOptions, make_scheduler
 from coordinator.core.status import FinishReason, Status
-from coordinator.engine.inflight import InFlight, wire_ids
+from coordinator.engine.inflight import InFlight, attempt_ids
 from coordinator.engine.live import Event, LiveRequest, Requests
 from coordinator.engine.meter import timed
 from coordinator.engine.state import REFUSING, RESTARTABLE, EngineState, EngineStateError, Unavailable
@@ -58,7 +59,7 @@ class Engine:
         self.admission = admission or Admission(max_active=64, max_queue=256)
         self._requests = Requests()
         self._schedulers: dict[tuple[str, SpecOptions], Scheduler] = {}
-        self._orphans: set[str] = set()                         # wire ids a failed pipeline may still hold
+        self._orphans: set[str] = set()                         # attempt ids a failed pipeline may still hold
         self._in_flight = InFlight(batch_timeout_s)
         self._work: asyncio.Queue[tuple[Scheduler, Action]] = asyncio.Queue()
         self._locks: weakref.WeakKeyDictionary[Scheduler, asyncio.Lock] = weakref.WeakKeyDictionary()
@@ -181,16 +182,16 @@ class Engine:
         failed = self._state is EngineState.FAILED
         if self._requests.refuse(request_id, Unavailable(self._why if failed else f"request {reason} while queued")):
             return
-        self._spawn(self._call(live.scheduler, live.scheduler.cancel, live.wire_id, reason))
+        self._spawn(self._call(live.scheduler, live.scheduler.cancel, live.attempt_id, reason))
 
     async def _abandon(self, rid: str) -> None:
         """A submit cancelled around `add`: cancel the request if the scheduler took it, else drop it."""
         live = self._requests.get(rid)
         if live is None:
             return
-        sched, wire_id = live.scheduler, live.wire_id
-        if await self._call(sched, lambda: wire_id in sched.requests):
-            await self._call(sched, sched.cancel, wire_id, FinishReason.CANCELLED)
+        sched, attempt_id = live.scheduler, live.attempt_id
+        if await self._call(sched, lambda: attempt_id in sched.requests):
+            await self._call(sched, sched.cancel, attempt_id, FinishReason.CANCELLED)
         else:
             self._requests.drop(rid)
             self._release(rid)
@@ -267,7 +268,7 @@ class Engine:
             transport = self._transport
             try:
                 if isinstance(action, (Inject, Broadcast)) and not self._current(sched):
-                    self._orphans.update(wire_ids(action))  # for a failed pipeline: released on the next
+                    self._orphans.update(attempt_ids(action))  # for a failed pipeline: released on the next
                 elif isinstance(action, Inject):
                     self._in_flight.sent(sched, action.batch)
                     self._requests.sent(action.batch, time.perf_counter())
@@ -282,7 +283,7 @@ class Engine:
                 task = asyncio.current_task()
                 if isinstance(e, asyncio.CancelledError) and task is not None and task.cancelling():
                     raise           # the engine closes (a write cut off by an aborted channel is a failure)
-                self._orphans.update(wire_ids(action))
+                self._orphans.update(attempt_ids(action))
                 self._transport_failed(e, transport)
             finally:
                 self._work.task_done()
@@ -339,15 +340,15 @@ class Engine:
         done = self._requests.finish(action, time.perf_counter())
         if done is not None:
             self._release(done.request_id)
-            log.debug("request finished", request_id=done.request_id, reason=done.reason, **done.stats)
+            log.debug("request finished", request_id=done.request_id, reason=done.reason, **done.stats.as_dict())
 
-    def _fail_requests(self, sched: Scheduler, wire_ids: list[str], error: BaseException) -> None:
+    def _fail_requests(self, sched: Scheduler, attempt_ids: list[str], error: BaseException) -> None:
         """End these requests with INTERNAL (the pipeline and every other request go on)."""
-        log.error("request failed while its result was handled", requests=sorted(set(wire_ids)),
+        log.error("request failed while its result was handled", requests=sorted(set(attempt_ids)),
                   error=repr(error))
-        for wire_id in dict.fromkeys(wire_ids):
-            self._spawn(self._call(sched, sched.cancel, wire_id, FinishReason.FAILED))
-            self._finish(Finish(wire_id, FinishReason.ERROR, {},
+        for attempt_id in dict.fromkeys(attempt_ids):
+            self._spawn(self._call(sched, sched.cancel, attempt_id, FinishReason.FAILED))
+            self._finish(Finish(attempt_id, FinishReason.ERROR, RequestStats(),
                                 f"internal error while handling its result: {error!r}", Status.INTERNAL))
 
     def _transport_failed(self, error: BaseException, transport: Transport) -> None:
@@ -365,7 +366,7 @@ class Engine:
             return
         self._state, self._why = EngineState.FAILED, f"the pipeline failed: {error}"
         for rid, live in self._requests.items():
-            live.events.put_nowait(Finish(rid, FinishReason.ERROR, {}, f"pipeline failure: {error}",
+            live.events.put_nowait(Finish(rid, FinishReason.ERROR, RequestStats(), f"pipeline failure: {error}",
                                           Status.UNAVAILABLE))
             self.cancel(rid)
 
@@ -378,8 +379,8 @@ class Engine:
                 continue
             if live.started:
                 sched = live.scheduler       # still current when a re-partition owns the pipeline
-                self._spawn(self._call(sched, sched.cancel, live.wire_id, FinishReason.FAILED))
-                self._finish(Finish(live.wire_id, FinishReason.ERROR, {}, why, Status.UNAVAILABLE))
+                self._spawn(self._call(sched, sched.cancel, live.attempt_id, FinishReason.FAILED))
+                self._finish(Finish(live.attempt_id, FinishReason.ERROR, RequestStats(), why, Status.UNAVAILABLE))
 
     def hold(self) -> None:
         """A re-partition drains (RUNNING -> HELD; other states stay): running requests go on, new ones queue."""
@@ -390,7 +391,7 @@ class Engine:
     async def suspend(self) -> set[str]:
         """Stop using a failed pipeline, aborted first (-> SUSPENDED): hold admission, retire every scheduler
         (their requests stay, their batches in flight are forgotten), deliver the tokens they committed, drop
-        their other actions. Returns the wire ids the stages may still hold state for."""
+        their other actions. Returns the attempt ids the stages may still hold state for."""
         async with self._transition:
             self.admission.hold()
             self._state, self._why = EngineState.SUSPENDED, ""
@@ -400,10 +401,10 @@ class Engine:
 
             def forget(sched: Scheduler) -> list[Finish]:   # scheduler and draft state of its requests
                 ended = []
-                for wire_id in list(sched.requests):
-                    sched.cancel(wire_id, FinishReason.STAGE_FAILURE)
+                for attempt_id in list(sched.requests):
+                    sched.cancel(attempt_id, FinishReason.STAGE_FAILURE)
                 for action in sched.poll():
-                    self._orphans.update(wire_ids(action))
+                    self._orphans.update(attempt_ids(action))
                     if isinstance(action, Finish):
                         ended.append(action)
                 return ended
@@ -420,7 +421,7 @@ class Engine:
                     await loop.run_in_executor(self._draft_pool, sched.work)
             await self._work.join()          # Emit/Finish go to the clients; Inject/Broadcast become orphans
             orphans, self._orphans = self._orphans, set()
-            return orphans | {live.wire_id for _, live in self._requests.items() if live.started}
+            return orphans | {live.attempt_id for _, live in self._requests.items() if live.started}
 
     async def restart(self, transport: Transport, kv_slots: int | None) -> int:
         """After a failure (else EngineStateError), go on over a new pipeline (-> RUNNING): each running request
@@ -448,7 +449,7 @@ class Engine:
         try:
             await self._call(sched, sched.add, nxt)
         except ValueError as e:         # cannot happen for a request that ran; end it rather than hang
-            self._finish(Finish(live.wire_id, FinishReason.ERROR, {}, f"cannot resume after a stage failure: {e}",
+            self._finish(Finish(live.attempt_id, FinishReason.ERROR, RequestStats(), f"cannot resume after a stage failure: {e}",
                                 Status.INTERNAL))
             return False
         return True

@@ -103,8 +103,8 @@ class InFlight:
                      transport)
 
 
-def wire_ids(action: Action) -> list[str]:
-    """The requests whose state an action puts on the stages (an Inject's or a Broadcast's)."""
+def attempt_ids(action: Action) -> list[str]:
+    """The attempts whose state an action puts on the stages (an Inject's or a Broadcast's)."""
     if isinstance(action, Inject):
         return [s.request_id for s in action.batch.segments]
     if isinstance(action, Broadcast):

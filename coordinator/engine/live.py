@@ -4,8 +4,8 @@ A request may run more than once — after a stage failure it runs again from it
 already streamed (coordinator/engine/engine.py) — so its record carries what the client has been sent and the
 statistics of the earlier attempts; the final stats cover all of them.
 
-    live.carry({"steps": 10, "tokens": 4, "hits": 3})      # attempt 1 ended by a failure
-    live.final_stats({"steps": 6, "tokens": 2, "hits": 1}, now)["steps"] -> 16.0
+    live.carry(RequestStats(steps=10, tokens=4))             # attempt 1 ended by a failure
+    live.final_stats(RequestStats(steps=6, tokens=2), now).steps -> 16
 
 Time to first token in four phases (`TTFTPhase`), which add up to the stats' `ttft_ms`:
 
@@ -16,7 +16,7 @@ Time to first token in four phases (`TTFTPhase`), which add up to the stats' `tt
 A stage failure before the first token puts its recovery in `pipeline` (the last attempt's prompt result
 counts).
 
-`Requests` is the engine's table of them, by client id and by the wire id of the current attempt:
+`Requests` is the engine's table of them, by client id and by the attempt id of the current attempt:
 
     reqs.next_attempt(live)  # "a" asked for 20, streamed 7 -> Request("a.r1", prompt + those 7, 13)
     reqs.emit(Emit("a.r1", [5]))    # -> Tokens([5]) on a's queue;  Emit("a", [5]) is stale: dropped
@@ -24,28 +24,19 @@ counts).
 from __future__ import annotations
 
 import asyncio
+from copy import deepcopy
 from dataclasses import dataclass, field, replace
-from enum import Enum
 
 from services.batch import MicroBatch
 
 from coordinator.core.schedulers.base import Emit, Finish, Request, Scheduler
 from coordinator.core.schedulers.registry import SpecOptions
+from coordinator.core.stats import RequestStats, TTFTPhase
 from coordinator.core.status import FinishReason, Status
 
 # a request that made no progress through this many stage failures in a row fails itself: it may be what
 # makes a stage fail (say its prefill runs the stage out of memory)
 MAX_FRUITLESS = 2
-# per-attempt stats that are not sums over the request's micro-batches
-_NOT_ADDITIVE = frozenset({"tokens", "tokens_per_step", "seed"})
-
-
-class TTFTPhase(str, Enum):
-    """Where a request's time to first token went (module docstring); stats key `ttft_<value>_ms`."""
-    QUEUE = "queue"                  # submit -> admitted (the admission queue)
-    COORDINATOR = "coordinator"      # admitted -> its first rows on the wire (scheduler lock, add, executor)
-    PIPELINE = "pipeline"            # -> the result holding its last prompt row is back (every stage)
-    EMIT = "emit"                    # -> the first token is streamed (scheduler lock, on_result, executor)
 
 
 @dataclass(frozen=True)
@@ -66,7 +57,7 @@ class LiveRequest:
     request: Request                    # as the client asked (its id is the client's)
     method: str
     spec: SpecOptions | None
-    wire_id: str                        # the id the current scheduler and the stages know it by
+    attempt_id: str                        # the id the current scheduler and the stages know it by
     started: bool = False               # admitted (not queued)
     cancel_reason: FinishReason | None = None
     attempts: int = 0                   # re-runs after stage failures
@@ -74,7 +65,7 @@ class LiveRequest:
     fruitless: int = 0                  # stage failures in a row during which it streamed nothing new
     emitted: list[int] = field(default_factory=list)      # token ids the client has been sent
     token_times: list[float] = field(default_factory=list)
-    carried: dict[str, float] = field(default_factory=dict)   # stats of the earlier attempts, summed
+    carried: RequestStats = field(default_factory=RequestStats)   # the earlier attempts' additive stats
     rtt_ms: float = 0.0                 # inject -> result, summed over this request's own micro-batches
     busy_ms: float = 0.0                # of which stages computed or waited out emulated time
     trips: int = 0
@@ -82,56 +73,52 @@ class LiveRequest:
     first_sent: float | None = None     # ... when a micro-batch first carried its rows to stage 0
     prefilled: float | None = None      # ... when the result with its (last attempt's) last prompt row came back
 
-    def carry(self, stats: dict[str, float]) -> None:
+    def carry(self, stats: RequestStats) -> None:
         """An attempt ended by a stage failure: keep its statistics."""
-        for k, v in stats.items():
-            if k not in _NOT_ADDITIVE:
-                self.carried[k] = self.carried.get(k, 0.0) + v
+        self.carried.add(stats)
 
     def account(self, rtt_ms: float, busy_ms: float) -> None:
         self.rtt_ms += rtt_ms
         self.busy_ms += busy_ms
         self.trips += 1
 
-    def final_stats(self, stats: dict[str, float], now: float) -> dict[str, float]:
+    def final_stats(self, stats: RequestStats, now: float) -> RequestStats:
         """The scheduler's stats of the last attempt, plus the earlier attempts and what the engine timed."""
-        out = dict(stats)
-        for k, v in self.carried.items():
-            out[k] = out.get(k, 0.0) + v
+        out = deepcopy(self.carried)
+        out.add(stats)
+        out.sized_width = stats.sized_width
         n = len(self.emitted)
-        if self.attempts:
-            out["tokens"] = float(n)
-            out["recoveries"] = float(self.attempts)
-            out["tokens_per_step"] = n / out["steps"] if out.get("steps") else 0.0
+        out.tokens = n if self.attempts else stats.tokens
+        out.recoveries = self.attempts
         times = self.token_times
-        out["wall_ms"] = (now - self.submitted) * 1e3
-        out["ttft_ms"] = (times[0] - self.submitted) * 1e3 if times else 0.0
-        out["tbt_ms"] = (times[-1] - times[0]) * 1e3 / (n - 1) if n > 1 else 0.0
+        out.wall_ms = (now - self.submitted) * 1e3
+        out.ttft_ms = (times[0] - self.submitted) * 1e3 if times else 0.0
+        out.tbt_ms = (times[-1] - times[0]) * 1e3 / (n - 1) if n > 1 else 0.0
         if self.trips:
-            out["rtt_ms_mean"] = self.rtt_ms / self.trips
-            out["overhead_ms_mean"] = (self.rtt_ms - self.busy_ms) / self.trips
-            out["overhead_share"] = (self.rtt_ms - self.busy_ms) / self.rtt_ms if self.rtt_ms else 0.0
-        out.update(self.ttft_phases())
-        if "draft_ms" in out:
-            out["draft_share"] = out["draft_ms"] / out["wall_ms"] if out["wall_ms"] else 0.0
+            out.rtt_ms_mean = self.rtt_ms / self.trips
+            out.overhead_ms_mean = (self.rtt_ms - self.busy_ms) / self.trips
+            out.overhead_share = (self.rtt_ms - self.busy_ms) / self.rtt_ms if self.rtt_ms else 0.0
+        out.ttft_phases = self.ttft_phases()
+        if out.spec is not None:
+            out.draft_share = out.spec.draft_ms / out.wall_ms if out.wall_ms else 0.0
         return out
 
-    def ttft_phases(self) -> dict[str, float]:
-        """`ttft_<phase>_ms` for every TTFTPhase, once the first token was streamed (else empty)."""
+    def ttft_phases(self) -> dict[TTFTPhase, float]:
+        """Milliseconds in each TTFTPhase, once the first token was streamed (else empty)."""
         marks = [self.submitted, self.admitted, self.first_sent, self.prefilled,
                  self.token_times[0] if self.token_times else None]
         if any(m is None for m in marks):
             return {}
-        return {f"ttft_{phase.value}_ms": (b - a) * 1e3 for phase, a, b in zip(TTFTPhase, marks, marks[1:])}
+        return {phase: (b - a) * 1e3 for phase, a, b in zip(TTFTPhase, marks, marks[1:])}
 
 
 class Requests:
     """The client requests the engine knows, running and queued (owned by the engine's loop): each by its
-    client id, its current attempt by wire id, and a queued one's turn (a future set when it may start)."""
+    client id, its current attempt by attempt id, and a queued one's turn (a future set when it may start)."""
 
     def __init__(self) -> None:
         self._live: dict[str, LiveRequest] = {}
-        self._client_of: dict[str, str] = {}                    # wire id of a re-run -> client request id
+        self._client_of: dict[str, str] = {}                    # attempt id of a re-run -> client request id
         self._waiting: dict[str, asyncio.Future[None]] = {}    # queued request -> set when it may start
 
     def __len__(self) -> int:
@@ -154,14 +141,14 @@ class Requests:
         self._live.pop(rid, None)
         self._waiting.pop(rid, None)
 
-    def client(self, wire_id: str) -> LiveRequest | None:
-        """The request an attempt's wire id belongs to (that attempt may be an earlier one)."""
-        return self._live.get(self._client_of.get(wire_id, wire_id))
+    def client(self, attempt_id: str) -> LiveRequest | None:
+        """The request an attempt's attempt id belongs to (that attempt may be an earlier one)."""
+        return self._live.get(self._client_of.get(attempt_id, attempt_id))
 
-    def current(self, wire_id: str) -> LiveRequest | None:
-        """The request whose current attempt has this wire id."""
-        live = self.client(wire_id)
-        return live if live is not None and live.wire_id == wire_id else None
+    def current(self, attempt_id: str) -> LiveRequest | None:
+        """The request whose current attempt has this attempt id."""
+        live = self.client(attempt_id)
+        return live if live is not None and live.attempt_id == attempt_id else None
 
     # -- the admission queue ---------------------------------------------------------------------
     def queue(self, rid: str) -> asyncio.Future[None]:
@@ -232,7 +219,7 @@ class Requests:
         Finish (returned) with the client's id and the whole request's stats. None for a stale attempt."""
         rid = self._client_of.pop(action.request_id, action.request_id)
         live = self._live.get(rid)
-        if live is None or live.wire_id != action.request_id:
+        if live is None or live.attempt_id != action.request_id:
             return None
         del self._live[rid]
         done = replace(action, request_id=rid, stats=live.final_stats(action.stats, now))
@@ -241,22 +228,22 @@ class Requests:
 
     def next_attempt(self, live: LiveRequest) -> Request | Finish:
         """After a stage failure: the request to run again — its prompt plus the tokens the client has,
-        for the tokens left, under the next wire id ("<id>.r<n>") — or the Finish that ends it: cancelled
+        for the tokens left, under the next attempt id ("<id>.r<n>") — or the Finish that ends it: cancelled
         meanwhile, already complete, or without progress through MAX_FRUITLESS failures in a row."""
         req, done = live.request, live.emitted
         left = req.max_new_tokens - len(done)
         eos = bool(done) and done[-1] in req.eos_ids
         reason = live.cancel_reason or (FinishReason.EOS if eos else FinishReason.LENGTH if left < 1 else None)
         if reason is not None:
-            return Finish(live.wire_id, reason, {"steps": 0.0})
+            return Finish(live.attempt_id, reason, RequestStats())
         live.fruitless = live.fruitless + 1 if len(done) == live.emitted_at_start else 0
         if live.fruitless >= MAX_FRUITLESS:
-            return Finish(live.wire_id, FinishReason.ERROR, {}, f"the pipeline failed {live.fruitless} times in a "
+            return Finish(live.attempt_id, FinishReason.ERROR, RequestStats(), f"the pipeline failed {live.fruitless} times in a "
                           "row while this request made no progress; it is not run again (it may be what makes a "
                           "stage fail)", Status.INTERNAL)
         live.attempts += 1
         live.emitted_at_start = len(done)
-        self._client_of.pop(live.wire_id, None)
-        live.wire_id = f"{req.request_id}.r{live.attempts}"
-        self._client_of[live.wire_id] = req.request_id
-        return Request(live.wire_id, req.prompt_ids + done, left, req.eos_ids, req.sampling)
+        self._client_of.pop(live.attempt_id, None)
+        live.attempt_id = f"{req.request_id}.r{live.attempts}"
+        self._client_of[live.attempt_id] = req.request_id
+        return Request(live.attempt_id, req.prompt_ids + done, left, req.eos_ids, req.sampling)

@@ -94,7 +94,7 @@ class Pipelines(Generic[P]):
 
     async def suspend(self, failed: P | None = None) -> set[str]:
         """Take a failed pipeline down: abort it (`failed`, else the current one), stop using it (the
-        engine is SUSPENDED: its requests wait for `restart` or `swap`); returns the wire ids its stages
+        engine is SUSPENDED: its requests wait for `restart` or `swap`); returns the attempt ids its stages
         may still hold. The holder may call it; anyone may for the pipeline being drained (a hand-over)."""
         if failed is None or failed is not self._draining:
             self._require_holder("suspend")

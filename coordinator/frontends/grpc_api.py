@@ -25,7 +25,8 @@ from coordinator.engine.state import EngineState
 from coordinator.frontends.service import Chunk, Coordinator, GenerateInput, GenerationFailed
 
 log = get_logger(__name__)
-STATS_FIELDS = {"steps", "tokens_per_step", "tbt_ms", "ttft_ms", "prompt_tokens", "wall_ms"}
+# stats with a field of their own in the wire's Stats (the rest go to its counters map)
+STATS_FIELDS = {f.name for f in generation_pb2.Stats.DESCRIPTOR.fields} - {"counters", "completion_tokens"}
 UNAUTHENTICATED_MESSAGE = "missing or wrong bearer token (send metadata 'authorization: Bearer <token>')"
 _GRPC_CODES = {c.value[0]: c for c in grpc.StatusCode}
 # why the coordinator does not serve, by engine state (FAILED and UNAVAILABLE say their own why)
@@ -185,14 +186,14 @@ def to_proto(chunk: Chunk) -> generation_pb2.GenerateResponse:
                                           finish_reason=chunk.finish_reason or "", request_id=chunk.request_id)
     if chunk.stats is not None:
         s = chunk.stats
-        msg.stats.steps = int(s.get("steps", 0))
-        msg.stats.tokens_per_step = s.get("tokens_per_step", 0.0)
-        msg.stats.tbt_ms = s.get("tbt_ms", 0.0)
-        msg.stats.ttft_ms = s.get("ttft_ms", 0.0)
-        msg.stats.wall_ms = s.get("wall_ms", 0.0)
-        msg.stats.prompt_tokens = int(s.get("prompt_tokens", 0))
-        msg.stats.completion_tokens = int(s.get("tokens", 0))
-        for k, v in s.items():
-            if k not in STATS_FIELDS and k != "tokens":
-                msg.stats.counters[k] = float(v)
+        msg.stats.steps = s.steps
+        msg.stats.tokens_per_step = s.tokens_per_step
+        msg.stats.tbt_ms = s.tbt_ms
+        msg.stats.ttft_ms = s.ttft_ms
+        msg.stats.wall_ms = s.wall_ms
+        msg.stats.prompt_tokens = s.prompt_tokens
+        msg.stats.completion_tokens = s.tokens
+        for k, v in s.as_dict().items():        # the rest: the open map (core/stats.py names them)
+            if k not in STATS_FIELDS and k != "tokens":       # tokens: completion_tokens
+                msg.stats.counters[k] = v
     return msg

@@ -28,7 +28,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from coordinator.core.schedulers.registry import METHODS
 from coordinator.core.status import FinishReason, Status
-from coordinator.engine.live import TTFTPhase
+from coordinator.core.stats import RequestStats
 
 if TYPE_CHECKING:
     from coordinator.engine.engine import Engine
@@ -140,25 +140,27 @@ class RequestMetrics:
         self._last = now
         self.streamed += n
 
-    def finished(self, reason: FinishReason, stats: dict[str, float]) -> None:
+    def finished(self, reason: FinishReason, stats: RequestStats) -> None:
         """The request ended normally with this finish reason and the engine's per-request stats."""
         self.record_outcome(reason)
-        for phase in TTFTPhase:
-            if (ms := stats.get(f"ttft_{phase.value}_ms")) is not None:
-                TTFT_PHASE.labels(self.method, phase.value).observe(ms / 1e3)
-        if stats.get("batches") and "control_ms" in stats:
-            CONTROL_PER_STEP.labels(self.method).observe(stats["control_ms"] / stats["batches"] / 1e3)
-        if "sized_width" in stats:
-            SIZED_WIDTH.labels(self.method).set(stats["sized_width"])
-        if stats.get("steps"):
-            TOKENS_PER_STEP.labels(self.method).observe(stats.get("tokens_per_step", 0.0))
-        if stats.get("decode_steps"):
-            DECODE_TOKENS_PER_STEP.labels(self.method).observe(stats.get("decode_tokens_per_step", 0.0))
-        for kind in ("lag", "refill"):
-            if stats.get(f"{kind}_steps"):
-                STALLED_STEPS.labels(self.method, kind).inc(stats[f"{kind}_steps"])
-        hits, misses = stats.get("hits"), stats.get("misses")
-        if hits is None or misses is None or hits + misses <= 0:
+        for phase, ms in stats.ttft_phases.items():
+            TTFT_PHASE.labels(self.method, phase.value).observe(ms / 1e3)
+        if stats.batches:
+            CONTROL_PER_STEP.labels(self.method).observe(stats.control_ms / stats.batches / 1e3)
+        if stats.sized_width is not None:
+            SIZED_WIDTH.labels(self.method).set(stats.sized_width)
+        if stats.steps:
+            TOKENS_PER_STEP.labels(self.method).observe(stats.tokens_per_step)
+        if stats.decode_steps:
+            DECODE_TOKENS_PER_STEP.labels(self.method).observe(stats.decode_tokens_per_step)
+        spec = stats.spec
+        if spec is None:
+            return
+        for kind, steps in (("lag", spec.lag_steps), ("refill", spec.refill_steps)):
+            if steps:
+                STALLED_STEPS.labels(self.method, kind).inc(steps)
+        hits, misses = spec.hits, spec.misses
+        if hits + misses <= 0:
             return
         DRAFT_TOKENS.labels(self.method, "hit").inc(hits)
         DRAFT_TOKENS.labels(self.method, "miss").inc(misses)

@@ -19,6 +19,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.core.admission import Admission, Overloaded
 from coordinator.core.drafts.factory import build_draft
 from coordinator.core.schedulers.registry import METHODS, SpecOptions
+from coordinator.core.stats import RequestStats
 from coordinator.core.status import FinishReason, Status
 from coordinator.core.text import PromptEncoder, TextStream
 from coordinator.core.validate import Asked, InvalidRequest, Limits, check, check_prompt_size
@@ -59,7 +60,7 @@ class Chunk:
     token_ids: list[int]
     text: str
     finish_reason: FinishReason | None = None      # set on the last chunk only
-    stats: dict[str, float] | None = None
+    stats: RequestStats | None = None
     request_id: str = ""
 
 
@@ -208,14 +209,14 @@ class Coordinator:
                 if fin.reason is FinishReason.ERROR:
                     raise GenerationFailed(fin.error, fin.error_code or Status.INTERNAL)
                 reason = FinishReason.STOP if text.stopped else fin.reason
-                stats = dict(fin.stats, prompt_tokens=len(params.prompt_ids))
+                stats = replace(fin.stats, prompt_tokens=len(params.prompt_ids))
                 if text.stopped:                    # the engine also counted the ids after the stop string
-                    stats["tokens"] = float(metrics.streamed)
+                    stats.tokens = metrics.streamed
                 if not params.sampling.greedy:
-                    stats["seed"] = float(params.sampling.seed)
+                    stats.seed = params.sampling.seed
                 log.info("request finished", request_id=rid, method=params.method, reason=reason,
-                         tokens=int(stats.get("tokens", 0)), steps=int(stats.get("steps", 0)),
-                         tbt_ms=round(stats.get("tbt_ms", 0.0), 2), ttft_ms=round(stats.get("ttft_ms", 0.0), 1))
+                         tokens=stats.tokens, steps=stats.steps, tbt_ms=round(stats.tbt_ms, 2),
+                         ttft_ms=round(stats.ttft_ms, 1))
                 metrics.finished(reason, stats)
                 yield Chunk([], text.flush(), reason, stats, request_id=rid)
                 return

@@ -12,6 +12,7 @@ import torch
 from coordinator.bench.run import BenchConfig, Variant, summarize, table
 from coordinator.core.drafts.base import DraftNode
 from coordinator.core.schedulers.base import Emit, Finish, Inject, Request
+from coordinator.core.stats import RequestStats
 from coordinator.bench.common import poisson_arrivals
 from coordinator.engine.loops.simulated import SimulatedPipeline
 from services.config import describe_draft_time, parse_draft_time
@@ -90,7 +91,7 @@ class OneWorkScheduler:
         self.draft.calls += self.calls
         self.draft.rows += self.rows
         self.draft.compute_s += self.cpu_s
-        self.actions += [Emit(rid, [7]), Finish(rid, "length", {"steps": 1})]
+        self.actions += [Emit(rid, [7]), Finish(rid, "length", RequestStats(steps=1))]
 
     def poll(self) -> list:
         out, self.actions = self.actions, []
@@ -142,7 +143,7 @@ class ResultDuringDraft:
 
     def on_result(self, result) -> None:
         self.worked_at_result = 2 - self.rounds
-        self.actions += [Emit(self.rid, [7]), Finish(self.rid, "length", {"steps": 1})]
+        self.actions += [Emit(self.rid, [7]), Finish(self.rid, "length", RequestStats(steps=1))]
 
     def poll(self) -> list:
         out, self.actions = self.actions, []
@@ -187,7 +188,7 @@ class DraftBeside:
 
     def on_result(self, result) -> None:
         self.drafted_at_result = hasattr(self, "done")
-        self.actions += [Emit(self.rid, [7]), Finish(self.rid, "length", {"steps": 1})]
+        self.actions += [Emit(self.rid, [7]), Finish(self.rid, "length", RequestStats(steps=1))]
 
     def poll(self) -> list:
         out, self.actions = self.actions, []
@@ -224,7 +225,7 @@ class SlowChain:
         self.draft.compute_s += time.perf_counter() - started
         self.n -= 1
         self.actions.append(Emit(self.rid, [7]))
-        self.actions.append(Inject(SimpleNamespace(batch_id=0)) if self.n else Finish(self.rid, "length", {}))
+        self.actions.append(Inject(SimpleNamespace(batch_id=0)) if self.n else Finish(self.rid, "length", RequestStats()))
 
     def poll(self) -> list:
         out, self.actions = self.actions, []
@@ -449,7 +450,7 @@ def test_the_cost_rule_sizes_specpipe_to_the_clock(tiny_model, tiny_hf, profile,
         out = pipe.run(sched, [Request(f"{profile}{i}", prompt, 40)], draft=draft)[f"{profile}{i}"]
         assert out.tokens == hf_greedy(tiny_hf, prompt, 40)
     assert sizer.choice.speculates is speculates
-    assert (out.stats["sized_width"] > 0) is speculates
+    assert (out.stats.sized_width > 0) is speculates
 
 
 # -- the control plane's own cost, replayed warm (SimulatedPipeline.replay) -------------------------------------------

@@ -131,7 +131,7 @@ def test_match_sampling_is_plain_seeded_sampling_for_every_method(tiny_model8, t
     for r in reqs:
         assert out[r.request_id].tokens == reference_sample(tiny_hf8, r.prompt_ids, 12, r.sampling), r.request_id
     if method == "specpipe":
-        hits = sum(out[r.request_id].stats["hits"] for r in reqs)
+        hits = sum(out[r.request_id].stats.spec.hits for r in reqs)
         assert hits > 20, "a draft equal to the target is coupled with it: most proposals are hits"
 
 

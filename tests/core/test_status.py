@@ -6,6 +6,7 @@ import grpc
 
 from coordinator.core.admission import Overloaded
 from coordinator.core.schedulers.base import Finish
+from coordinator.core.stats import RequestStats
 from coordinator.core.status import FinishReason, Status
 
 
@@ -21,9 +22,9 @@ def test_finish_reasons_are_their_wire_strings() -> None:
 
 
 def test_a_finish_of_plain_values_holds_members() -> None:
-    fin = Finish("r", "error", {}, "boom", 8)
+    fin = Finish("r", "error", RequestStats(), "boom", 8)
     assert fin.reason is FinishReason.ERROR and fin.error_code is Status.RESOURCE_EXHAUSTED
-    assert Finish("r", "eos", {}).error_code is Status.OK
+    assert Finish("r", "eos", RequestStats()).error_code is Status.OK
 
 
 def test_overloaded_is_no_runtime_error() -> None:

@@ -86,13 +86,13 @@ async def methods_check(model: str, dtype: str, device: str, depths: list[int], 
                 for method in methods:
                     got, tbt = [], []
                     for p in prompts:
-                        toks, stats = [], {}
+                        toks, tbt_ms = [], 0.0
                         async for c in coord.generate(GenerateInput(prompt_token_ids=p, max_new_tokens=n,
                                                                     method=method, ignore_eos=True)):
                             toks += c.token_ids
-                            stats = c.stats or stats
+                            tbt_ms = c.stats.tbt_ms if c.stats else tbt_ms
                         got.append(toks)
-                        tbt.append(stats.get("tbt_ms", 0.0))
+                        tbt.append(tbt_ms)
                     rows.append({"stages": depth, "method": method, "agree": sum(g == w for g, w in zip(got, want)),
                                  "of": len(want), "first_difference": [first_difference(g, w) for g, w in zip(got, want)],
                                  "tbt_ms": round(sum(tbt) / len(tbt), 2)})

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from coordinator.core.schedulers.base import Finish, Request
+from coordinator.core.stats import RequestStats, TTFTPhase
 from coordinator.core.status import FinishReason, Status
 from coordinator.engine.engine import Engine
 from coordinator.engine.live import MAX_FRUITLESS, LiveRequest, Requests
@@ -117,7 +118,7 @@ async def test_a_repartition_drains_retires_and_swaps_and_the_queued_request_run
         await p.engine.close()
 
 
-async def test_suspend_then_restart_runs_the_request_again_under_a_new_wire_id() -> None:
+async def test_suspend_then_restart_runs_the_request_again_under_a_new_attempt_id() -> None:
     old = FakePipeline("p")
     p = await owner(old)
     try:
@@ -230,11 +231,11 @@ def test_next_attempt_resumes_after_the_streamed_tokens_and_gives_up_without_pro
     assert table.next_attempt(live) == Request("a.r1", [1, 2] + [7] * 7, 13)
     assert table.current("a.r1") is live and table.current("a") is None and table.client("a") is live
     for k in range(1, MAX_FRUITLESS):                          # failures with no token in between
-        assert isinstance(table.next_attempt(live), Request) and live.wire_id == f"a.r{k + 1}"
+        assert isinstance(table.next_attempt(live), Request) and live.attempt_id == f"a.r{k + 1}"
     end = table.next_attempt(live)
     assert isinstance(end, Finish) and end.reason is FinishReason.ERROR and end.error_code is Status.INTERNAL
     live.cancel_reason = FinishReason.CANCELLED
-    assert table.next_attempt(live) == Finish(live.wire_id, FinishReason.CANCELLED, {"steps": 0.0})
+    assert table.next_attempt(live) == Finish(live.attempt_id, FinishReason.CANCELLED, RequestStats())
 
 
 def test_ttft_phases_on_hand_set_times_add_up_to_the_ttft_and_count_a_re_run_in_the_pipeline() -> None:
@@ -262,10 +263,11 @@ def test_ttft_phases_on_hand_set_times_add_up_to_the_ttft_and_count_a_re_run_in_
     table.emit(Emit("a", [42]), 5.624)
     table.returned(batch("a", [9]), 7.0)                        # after the first token: no change
     phases = live.ttft_phases()
-    assert phases == pytest.approx({"ttft_queue_ms": 2.0, "ttft_coordinator_ms": 12.0,
-                                    "ttft_pipeline_ms": 5602.0, "ttft_emit_ms": 8.0})
-    stats = live.final_stats({"steps": 3.0}, 9.0)
-    assert sum(phases.values()) == pytest.approx(stats["ttft_ms"]) and stats["ttft_pipeline_ms"] == phases["ttft_pipeline_ms"]
+    assert phases == pytest.approx({TTFTPhase.QUEUE: 2.0, TTFTPhase.COORDINATOR: 12.0,
+                                    TTFTPhase.PIPELINE: 5602.0, TTFTPhase.EMIT: 8.0})
+    stats = live.final_stats(RequestStats(steps=3), 9.0)
+    assert sum(phases.values()) == pytest.approx(stats.ttft_ms)
+    assert stats.as_dict()["ttft_pipeline_ms"] == phases[TTFTPhase.PIPELINE]
 
     other = LiveRequest(None, asyncio.Queue(), 0.0, Request("b", list(range(10)), 4), "pp", None, "b")   # type: ignore[arg-type]
     table.add(other)
@@ -276,4 +278,4 @@ def test_ttft_phases_on_hand_set_times_add_up_to_the_ttft_and_count_a_re_run_in_
     assert other.prefilled is None
     table.returned(batch("b.r1", list(range(10))), 4.0)
     table.emit(Emit("b.r1", [1]), 4.5)
-    assert other.ttft_phases()["ttft_pipeline_ms"] == pytest.approx(3999.0)
+    assert other.ttft_phases()[TTFTPhase.PIPELINE] == pytest.approx(3999.0)

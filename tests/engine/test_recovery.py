@@ -208,7 +208,7 @@ async def test_a_pipeline_that_fails_again_while_recovering_is_recovered_again(t
             await _break_when_streaming(coord, got, 3, "test: a stage failed")
             await asyncio.wait_for(task, timeout=60)
             assert got == hf_greedy(tiny_hf, [7, 8, 9], 40)
-            assert opened == 2 and last.stats["recoveries"] == 2 and last.stats["tokens"] == 40
+            assert opened == 2 and last.stats.recoveries == 2 and last.stats.tokens == 40
             await wait_until(lambda: not any(s.runner.cache.requests for s in servicers), timeout=5,
                              what="the stages freed")
         finally:
@@ -238,7 +238,7 @@ async def test_failures_between_which_a_request_progresses_are_survived_but_a_po
             for k in range(MAX_FRUITLESS + 1):                      # progress before every failure
                 await _break_when_streaming(coord, got, 2 * (k + 1), f"test: rolling restart {k + 1}")
             await asyncio.wait_for(task, timeout=60)
-            assert got == hf_greedy(tiny_hf, [11, 12], 9) and last[0].stats["recoveries"] == MAX_FRUITLESS + 1
+            assert got == hf_greedy(tiny_hf, [11, 12], 9) and last[0].stats.recoveries == MAX_FRUITLESS + 1
 
             got, last = [], []
             task = asyncio.create_task(run(got, last))

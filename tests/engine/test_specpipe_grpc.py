@@ -41,8 +41,8 @@ async def test_speculative_methods_over_grpc_match_transformers(pipeline4, tiny_
         for p, (ids, last) in zip(ps, await asyncio.gather(*(one(p) for p in ps))):
             assert ids == hf_greedy(tiny_hf8, p, NEW)
             assert last.finish_reason == "length"
-            assert last.stats.get("hits", 0) + last.stats.get("misses", 0) == NEW
-            assert last.stats["stage0_rows_computed"] >= NEW
+            assert last.stats.spec.hits + last.stats.spec.misses == NEW
+            assert last.stats.stages[0].rows_computed >= NEW
         await wait_until_released(coord.pipeline, 4)
     finally:
         await coord.close()

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.engine.local import free_port
 from coordinator.config import CoordinatorConfig
+from coordinator.core.stats import RequestStats, SpecCounters
 from coordinator.core.validate import InvalidRequest
 from coordinator.frontends.metrics import RequestMetrics, outcome_of
 from coordinator.frontends.server import start
@@ -82,9 +83,9 @@ def test_token_gaps_ttft_and_outcome_on_a_fake_clock(metrics_port):
         m.tokens(3)             # three gaps of 0.2
         clock.t = 11.5
         m.tokens(1)             # one gap of 0.4
-        m.finished("length", {"steps": 12.0, "tokens": 6.0, "tokens_per_step": 0.5, "hits": 4.0, "misses": 2.0,
-                           "decode_steps": 10.0, "decode_tokens_per_step": 0.5, "lag_steps": 3.0, "refill_steps": 2.0,
-                           "batches": 8.0, "control_ms": 12.0, "sized_width": 4})
+        m.finished("length", RequestStats(steps=12, tokens=6, decode_steps=10, batches=8.0, control_ms=12.0,
+                                          sized_width=4, spec=SpecCounters(hits=4, misses=2, lag_steps=3,
+                                                                           refill_steps=2)))
     after = scrape(metrics_port)
     d = lambda name, **kw: delta(before, after, name, method="tree", **kw)      # noqa: E731
     assert d("specpipe_time_to_first_token_seconds_count") == 1

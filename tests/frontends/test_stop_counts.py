@@ -18,6 +18,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.core.text import PromptEncoder
 from coordinator.core.validate import Limits
 from coordinator.core.schedulers.base import Finish
+from coordinator.core.stats import RequestStats
 from coordinator.engine.live import Tokens
 from coordinator.frontends.metrics import RequestMetrics
 from coordinator.frontends.prework import Prework
@@ -41,8 +42,7 @@ class FakeEngine:
         for c in self.chunks:
             q.put_nowait(Tokens(c))
         total = sum(len(c) for c in self.chunks)
-        q.put_nowait(Finish("r1", self.reason, {"tokens": float(total), "steps": 4.0,
-                                                "tokens_per_step": total / 4}))
+        q.put_nowait(Finish("r1", self.reason, RequestStats(tokens=total, steps=4)))
         return "r1", q
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
@@ -78,15 +78,15 @@ async def test_stop_in_the_middle_of_a_chunk_ends_its_token_ids() -> None:
     assert "".join(c.text for c in out) == "Hello wor"
     assert out[-1].finish_reason == "stop"
     n = len(ids("Hello wor<END>"))
-    assert out[-1].stats["tokens"] == n == metrics.streamed == sum(len(c.token_ids) for c in out)
-    assert out[-1].stats["prompt_tokens"] == 3
+    assert out[-1].stats.tokens == n == metrics.streamed == sum(len(c.token_ids) for c in out)
+    assert out[-1].stats.prompt_tokens == 3
     assert engine.cancelled == [("r1", "stop")]
 
 
 async def test_stop_completed_by_the_first_id_of_a_chunk() -> None:
     out, metrics, _ = await run([ids("ab <E"), ids("ND> tail")], ["<END>"])
     assert [c.token_ids for c in out] == [ids("ab <E"), ids("ND>"), []]
-    assert "".join(c.text for c in out) == "ab " and out[-1].stats["tokens"] == 8 == metrics.streamed
+    assert "".join(c.text for c in out) == "ab " and out[-1].stats.tokens == 8 == metrics.streamed
 
 
 async def test_stop_inside_a_multibyte_character_keeps_its_last_byte() -> None:
@@ -101,7 +101,7 @@ async def test_without_a_stop_string_every_id_is_streamed_and_the_engine_count_s
     inp = GenerateInput(prompt_token_ids=[1], max_new_tokens=5, stop=["zz"], method="pp")
     out = [c async for c in coordinator(engine)._generate(inp, metrics)]
     assert [c.token_ids for c in out] == [ids("abc"), ids("de"), []]
-    assert out[-1].finish_reason == "length" and out[-1].stats["tokens"] == 5 == metrics.streamed
+    assert out[-1].finish_reason == "length" and out[-1].stats.tokens == 5 == metrics.streamed
 
 
 # -- end to end: OpenAI token ids and usage over real stages ----------------------------------------------

@@ -23,6 +23,7 @@ from services.batch import Control, MicroBatch, Segment
 from services.sampling import GREEDY, Sampling
 
 from coordinator.core.results import Sent, check
+from coordinator.core.stats import RequestStats, SpecCounters
 from coordinator.core.status import FinishReason, Status
 
 
@@ -57,7 +58,7 @@ class Finish:
     request's) the engine's last event on the request's queue (coordinator/engine/live.py)."""
     request_id: str
     reason: FinishReason
-    stats: dict[str, float]
+    stats: RequestStats
     error: str = ""
     error_code: Status = Status.OK      # with reason ERROR: the gRPC status the request fails with
 
@@ -80,7 +81,7 @@ class RequestState:
     last_step: int = 0
     first_commit_step: int | None = None                    # step of the first committed token
     last_commit_step: int = 0
-    counters: dict[str, float] = field(default_factory=dict)
+    stats: RequestStats = field(default_factory=RequestStats)   # its counters (steps and tokens at the end)
 
     @property
     def root_parent(self) -> int:
@@ -92,8 +93,12 @@ class RequestState:
         self.next_node += count
         return self.next_node - count
 
-    def count(self, name: str, n: float = 1) -> None:
-        self.counters[name] = self.counters.get(name, 0) + n
+    @property
+    def spec(self) -> SpecCounters:
+        """The speculative methods' counters (created on first use)."""
+        if self.stats.spec is None:
+            self.stats.spec = SpecCounters()
+        return self.stats.spec
 
 
 class Scheduler(ABC):
@@ -156,14 +161,15 @@ class Scheduler(ABC):
                 state.in_flight -= 1
                 state.last_step = self._clock
                 # a micro-batch shared by n requests counts 1/n to each, so sums over requests are totals
-                state.count("batches", share)
-                if batch.wire_bytes:
-                    state.count("result_bytes", batch.wire_bytes * share)
+                s = state.stats
+                s.batches += share
+                s.result_bytes += batch.wire_bytes * share
                 for t in batch.trace:
-                    state.count(f"stage{t.stage}_rows_computed", t.rows_computed * share)
-                    state.count(f"stage{t.stage}_rows_dropped", (t.rows_in - t.rows_computed) * share)
-                    state.count(f"stage{t.stage}_compute_ms", t.compute_ms * share)
-                    state.count(f"stage{t.stage}_wait_ms", t.wait_ms * share)
+                    c = s.stage(t.stage)
+                    c.rows_computed += t.rows_computed * share
+                    c.rows_dropped += (t.rows_in - t.rows_computed) * share
+                    c.compute_ms += t.compute_ms * share
+                    c.wait_ms += t.wait_ms * share
         offset = 0
         for seg in batch.segments:
             n_out = sum(seg.want_output)
@@ -190,7 +196,7 @@ class Scheduler(ABC):
         if ms > 0 and self.requests:
             share = ms / len(self.requests)
             for state in self.requests.values():
-                state.count("control_ms", share)
+                state.stats.control_ms += share
 
     @property
     def has_work(self) -> bool:
@@ -295,14 +301,11 @@ class Scheduler(ABC):
         self._broadcast(Control(rid, release=True))
         self._actions.append(Finish(rid, reason, self.stats(state), error, error_code))
 
-    def stats(self, state: RequestState) -> dict[str, float]:
-        steps = state.last_step - (state.first_step or 0)
-        n = len(state.generated)
-        decode = state.last_commit_step - (state.first_commit_step or 0)
-        out = {"steps": float(steps), "tokens": float(n),
-               "tokens_per_step": n / steps if steps else 0.0,
-               # from the first committed token to the last: what time between tokens follows
-               "decode_steps": float(decode),
-               "decode_tokens_per_step": (n - 1) / decode if decode else 0.0}
-        out.update(state.counters)
-        return out
+    def stats(self, state: RequestState) -> RequestStats:
+        """The request's stats as it ends: its counters, with its steps and tokens."""
+        s = state.stats
+        s.steps = state.last_step - (state.first_step or 0)
+        s.tokens = len(state.generated)
+        # from the first committed token to the last: what time between tokens follows
+        s.decode_steps = state.last_commit_step - (state.first_commit_step or 0)
+        return s

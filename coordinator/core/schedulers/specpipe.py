@@ -35,6 +35,7 @@ from coordinator.core.schedulers.base import RequestState
 from coordinator.core.schedulers.batching import BatchingScheduler
 from coordinator.core.proposals import ProposalRows
 from coordinator.core.sizing import Sizer
+from coordinator.core.stats import SpecCounters
 from coordinator.core.tree import POLICIES, TokenTree
 from coordinator.core.verify import VERIFIERS, verify_children
 
@@ -83,8 +84,7 @@ class SpecPipeScheduler(BatchingScheduler):
     # -- scheduler hooks ----------------------------------------------------------------------------
     def _admitted(self, state: RequestState) -> None:
         rid, prompt = state.request.request_id, state.request.prompt_ids
-        for name in ("hits", "misses", "warm_restarts", "lag_steps", "refill_steps"):
-            state.count(name, 0)
+        state.stats.spec = SpecCounters()   # its speculation counters are there from the start (zero)
         root = state.committed[-1]
         self.trees[rid] = TokenTree(root, prompt[-1], len(prompt) - 1, state.new_node)
         if self.sizer is not None and not self.sizer.choice.speculates:
@@ -119,7 +119,7 @@ class SpecPipeScheduler(BatchingScheduler):
 
             hits 8, misses 2, 3 batches in flight -> (9 / 12) ** 3 = 0.42;  nothing in flight -> 1.0
         """
-        hits, misses = state.counters.get("hits", 0.0), state.counters.get("misses", 0.0)
+        hits, misses = state.spec.hits, state.spec.misses
         return ((hits + 1.0) / (hits + misses + 2.0)) ** state.in_flight
 
     @staticmethod
@@ -147,7 +147,7 @@ class SpecPipeScheduler(BatchingScheduler):
                                  horizon=self.num_stages)
         if not chosen:
             return None
-        state.count("nodes_injected", len(chosen))
+        state.spec.nodes_injected += len(chosen)
         self.pending[rid] = self.rounds
         parents, positions, tokens = tree.segment_rows(chosen, state.root_parent)
         return Segment(rid, chosen, parents, positions, tokens, [True] * len(chosen))
@@ -161,15 +161,18 @@ class SpecPipeScheduler(BatchingScheduler):
                 if node_id in tree.nodes:
                     tree.target_p[node_id] = logprobs[i]
         committed = len(state.generated)
-        misses = state.counters["misses"]
+        misses = state.spec.misses
         if not self._verify(state, tree):
             return
         if self.sizer is not None and committed and state.request.request_id not in self.plain:
             self.sizer.observe_tokens(len(state.generated) - committed)
-        if len(state.generated) == committed and state.counters["misses"] == misses:
+        if len(state.generated) == committed and state.spec.misses == misses:
             # nothing committed: the pipeline was refilling after a miss, or the tree lagged behind it
             stale = self._result_batch < self.miss_batch.get(state.request.request_id, -1)
-            state.count("refill_steps" if stale else "lag_steps")
+            if stale:
+                state.spec.refill_steps += 1
+            else:
+                state.spec.lag_steps += 1
 
     def _rejection(self, state: RequestState) -> bool:
         """This request samples and is verified by rejection (the last stage ships distributions); a plain
@@ -188,7 +191,7 @@ class SpecPipeScheduler(BatchingScheduler):
         self.miss_batch.pop(rid, None)
         self.begun.discard(rid)           # the draft may hold it (begun) or have had a commit for it: release
         if self.sizer is not None:        # the cost rule's last choice for it (0: no speculation)
-            state.counters["sized_width"] = 0 if rid in self.plain else self.width
+            state.stats.sized_width = 0 if rid in self.plain else self.width
         self.plain.discard(rid)
         self.draft_ops.append(DraftOp(OpKind.RELEASE, rid))
         super()._finish(state, reason, error, error_code)
@@ -272,23 +275,26 @@ class SpecPipeScheduler(BatchingScheduler):
             if self.sizer is not None and not plain:
                 self.sizer.observe_root(*tree.root_rank(token))
             if child is not None:
-                state.count("hits")
+                state.spec.hits += 1
                 pruned = tree.commit(child)
                 node = child
             else:
                 root, proposed = tree.root_node, None
                 if plain:
-                    state.count("plain_tokens")   # the target's token, with no speculation to check
+                    state.spec.plain_tokens += 1   # the target's token, with no speculation to check
                 else:
-                    state.count("misses")
+                    state.spec.misses += 1
                     self.miss_batch[rid] = self._next_batch
                     # (with rejection an injected child outside the verified prefix may carry the token: cold
                     # restart)
                     same = [c for c in root.children if tree.nodes[c].token == token]
                     proposed = next((c for c in same if not tree.nodes[c].injected), None)
-                    state.count("misses_proposed_not_injected" if same else "misses_not_proposed")
+                    if same:
+                        state.spec.misses_proposed_not_injected += 1
+                    else:
+                        state.spec.misses_not_proposed += 1
                 if proposed is not None and self.policy != "layer":
-                    state.count("warm_restarts")
+                    state.spec.warm_restarts += 1
                     node, pruned = proposed, tree.reroot(proposed)
                 else:
                     if not (root.expanded or root.asked):   # the bonus's parent reaches the draft before it
@@ -392,7 +398,7 @@ class SpecPipeScheduler(BatchingScheduler):
         total = sum(weights.values())
         for rid, w in weights.items():            # the draft's time, charged in proportion to its rows
             if rid in self.requests and total:
-                self.requests[rid].count("draft_ms", results.compute_ms * w / total)
+                self.requests[rid].spec.draft_ms += results.compute_ms * w / total
         for rid, error in results.errors.items():
             if rid in self.requests:              # a failing draft fails its request, not the scheduler
                 self._draft_failed(self.requests[rid], error)

@@ -55,7 +55,7 @@ class TripScheduler(SpecPipeScheduler):
             root = tree.root_node
             root.injected = True
             self._inject([Segment(rid, [root.id], [state.root_parent], [root.depth], [root.token], [True])])
-            state.count("nodes_injected")
+            state.spec.nodes_injected += 1
         if state.in_flight < self.max_in_flight and rid not in self.pending:
             self.pending[rid] = 1                 # the speculation is grown in work(), off the event path
 
@@ -115,8 +115,8 @@ class TripScheduler(SpecPipeScheduler):
         parent = {tree.root: state.root_parent}
         self._inject([Segment(rid, [n.id for n in chosen], [parent.get(n.id, n.parent) for n in chosen],
                               [n.depth for n in chosen], [n.token for n in chosen], [True] * len(chosen))])
-        state.count("nodes_injected", len(chosen))
-        state.count("trips")
+        state.spec.nodes_injected += len(chosen)
+        state.spec.trips += 1
         if state.in_flight < self.max_in_flight:
             self.pending[rid] = 1             # room for another run (pipeinfer)
 

@@ -16,13 +16,14 @@ from services.batch import MicroBatch
 from services.runner import StageRunner
 
 from coordinator.core.schedulers.base import Broadcast, Emit, Finish, Inject, Request, Scheduler
+from coordinator.core.stats import RequestStats
 
 
 @dataclass
 class Outcome:
     tokens: list[int] = field(default_factory=list)
     reason: str = ""
-    stats: dict[str, float] = field(default_factory=dict)
+    stats: RequestStats = field(default_factory=RequestStats)
     error: str = ""
 
 

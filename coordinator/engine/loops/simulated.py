@@ -54,6 +54,7 @@ from services.runner import StageRunner
 
 from coordinator.core.drafts.job import DraftResults
 from coordinator.core.schedulers.base import Broadcast, Emit, Finish, Inject, Request, Scheduler
+from coordinator.core.stats import RequestStats
 from coordinator.engine.meter import StepMeter, timed
 
 
@@ -62,7 +63,7 @@ class SimOutcome:
     tokens: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)     # ms on the simulated clock
     reason: str = ""
-    stats: dict[str, float] = field(default_factory=dict)
+    stats: RequestStats = field(default_factory=RequestStats)
     start_ms: float = 0.0
     end_ms: float = 0.0
 

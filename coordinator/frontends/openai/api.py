@@ -274,7 +274,7 @@ class OpenAIServer:
     def _whole(self, chunks: list[Chunk], req: OpenAIRequest, oid: str, chat: bool) -> dict[str, Any]:
         ids = [t for c in chunks for t in c.token_ids]
         last = chunks[-1]
-        use = usage(int((last.stats or {}).get("prompt_tokens", req.prompt_tokens)), len(ids))
+        use = usage(last.stats.prompt_tokens if last.stats else req.prompt_tokens, len(ids))
         return completion(chat, oid, int(time.time()), req.model, "".join(c.text for c in chunks),
                           last.finish_reason, use, ids if req.return_token_ids else None)
 
@@ -315,7 +315,7 @@ class OpenAIServer:
                     else:
                         await send(event(c.text, c.finish_reason, ids=c.token_ids))
                     if req.include_usage:
-                        prompt_tokens = int((c.stats or {}).get("prompt_tokens", req.prompt_tokens))
+                        prompt_tokens = c.stats.prompt_tokens if c.stats else req.prompt_tokens
                         await send({**event(""), "choices": [], "usage": usage(prompt_tokens, n_ids)})
                     break
                 if c.text or req.return_token_ids:

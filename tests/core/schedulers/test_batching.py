@@ -8,6 +8,7 @@ from coordinator.core.drafts.model import ModelDraft
 from coordinator.core.schedulers.base import Inject, Request
 from coordinator.core.schedulers.cbpp import CBPPScheduler
 from coordinator.core.schedulers.specpipe import SpecPipeScheduler
+from coordinator.core.stats import SpecCounters
 from coordinator.engine.loops.inprocess import InProcessPipeline
 from helpers.drafts import make_draft
 from helpers.leftovers import assert_nothing_left
@@ -130,7 +131,7 @@ def test_cb_pp_rotates_groups_through_the_stages(tiny_model8, tiny_hf8):
     assert decode and max(len(b.segments) for b in decode) == 2
     assert sum(len(b.segments) == 2 for b in decode) > len(decode) // 2
     # each request still commits one token per trip: about S steps per token, as pp
-    assert all(out[r.request_id].stats["tokens_per_step"] <= 1 / 4 + 0.05 for r in reqs)
+    assert all(out[r.request_id].stats.tokens_per_step <= 1 / 4 + 0.05 for r in reqs)
     assert_nothing_left(sched, runners)
 
 
@@ -149,7 +150,7 @@ def test_row_value_ranks_shallow_and_reliable_speculation_first():
     from types import SimpleNamespace
     value = SpecPipeScheduler._row_value
     state = lambda hits, misses, in_flight: SimpleNamespace(  # noqa: E731
-        counters={"hits": hits, "misses": misses}, in_flight=in_flight)
+        spec=SpecCounters(hits=hits, misses=misses), in_flight=in_flight)
     assert value(None, state(8, 2, 3)) == pytest.approx((9 / 12) ** 3)
     assert value(None, state(8, 2, 0)) == 1.0                       # nothing in flight: sure to count
     assert value(None, state(0, 0, 2)) == pytest.approx(0.25)      # no history: even odds per layer

@@ -105,13 +105,13 @@ def test_micro_batches_span_several_layers_and_stay_lossless(tiny_model8, tiny_h
     multi = [ids for b in rec.batches if "r" in b for ids, parents in [b["r"]] if set(parents) & set(ids)]
     assert multi, "some micro-batch carries a node together with its parent"
     # the run-ahead keeps a perfect draft at one token per decode step at S = 4; one layer per step lags
-    assert out["r"].stats["decode_tokens_per_step"] >= 1.0
+    assert out["r"].stats.decode_tokens_per_step >= 1.0
     layer = SpecPipeScheduler(4, always_right(tiny_model8), width=6, policy="layer")
     one = InProcessPipeline(make_runners(tiny_model8, 4, layers=8)).run(layer, [Request("r", p, 24)])["r"]
     assert one.tokens == out["r"].tokens
-    assert one.stats["decode_tokens_per_step"] < out["r"].stats["decode_tokens_per_step"]
-    assert one.stats["lag_steps"] > out["r"].stats["lag_steps"]
-    assert out["r"].stats["lag_steps"] <= 4
+    assert one.stats.decode_tokens_per_step < out["r"].stats.decode_tokens_per_step
+    assert one.stats.spec.lag_steps > out["r"].stats.spec.lag_steps
+    assert out["r"].stats.spec.lag_steps <= 4
 
 
 @pytest.mark.slow
@@ -166,8 +166,8 @@ def test_warm_restart_re_roots_into_the_proposed_child(tiny_model8, tiny_hf8):
         out = InProcessPipeline(make_runners(tiny_model8, 1, layers=8)).run(sched, [Request("r", p, 12)])
         assert out["r"].tokens == hf_greedy(tiny_hf8, p, 12), policy
         stats = out["r"].stats
-        assert stats["hits"] == 0 and stats["misses"] == 12
-        assert (stats["warm_restarts"] == 12) == warm and (stats["warm_restarts"] == 0) == (not warm), policy
+        assert stats.spec.hits == 0 and stats.spec.misses == 12
+        assert (stats.spec.warm_restarts == 12) == warm and (stats.spec.warm_restarts == 0) == (not warm), policy
         assert not sched.trees and not sched.requests
 
 
@@ -180,9 +180,9 @@ def test_counters_split_steps_into_refill_and_lag(tiny_model8, tiny_hf8):
     out = InProcessPipeline(make_runners(tiny_model8, 4, layers=8)).run(sched, [Request("r", p, 10)])
     s = out["r"].stats
     assert out["r"].tokens == hf_greedy(tiny_hf8, p, 10)
-    assert s["misses"] == 10 and s["refill_steps"] > 0
-    assert s["decode_tokens_per_step"] == (s["tokens"] - 1) / s["decode_steps"]
-    assert s["decode_steps"] < s["steps"]
+    assert s.spec.misses == 10 and s.spec.refill_steps > 0
+    assert s.decode_tokens_per_step == (s.tokens - 1) / s.decode_steps
+    assert s.decode_steps < s.steps
     right = SpecPipeScheduler(4, always_right(tiny_model8), width=2, policy="hybrid")
     ok = InProcessPipeline(make_runners(tiny_model8, 4, layers=8)).run(right, [Request("r", p, 10)])["r"].stats
-    assert ok["refill_steps"] == 0 and ok["misses"] <= 1
+    assert ok.spec.refill_steps == 0 and ok.spec.misses <= 1

@@ -33,8 +33,8 @@ def test_pp_in_process_matches_transformers(tiny_model, tiny_hf, num_stages):
 def test_pp_steps_per_token_is_num_stages(tiny_model):
     runners = make_runners(tiny_model, 4)
     out = InProcessPipeline(runners).run(PPScheduler(4), [Request("r", [5, 6, 7], 10)])
-    assert out["r"].stats["steps"] == 4 * 10
-    assert out["r"].stats["tokens_per_step"] == pytest.approx(0.25)
+    assert out["r"].stats.steps == 4 * 10
+    assert out["r"].stats.tokens_per_step == pytest.approx(0.25)
 
 
 def test_pp_stops_at_eos(tiny_model, tiny_hf):
@@ -73,7 +73,7 @@ async def test_pp_over_grpc_matches_transformers(local_pipeline, tiny_model, tin
         for p, (ids, last) in zip(ps, results):
             assert ids == hf_greedy(tiny_hf, p, NEW)
             assert last.finish_reason == "length"
-            assert last.stats["steps"] >= NEW * local_pipeline.num_stages
+            assert last.stats.steps >= NEW * local_pipeline.num_stages
         await wait_until_released(coord.pipeline, local_pipeline.num_stages)
     finally:
         await coord.close()

@@ -33,14 +33,14 @@ def test_specpipe_matches_transformers(tiny_model8, tiny_hf8, tiny_draft_model, 
     for i, p in enumerate(ps):
         o = out[f"r{i}"]
         assert o.tokens == hf_greedy(tiny_hf8, p, NEW), (draft, num_stages, i)
-        assert o.stats.get("hits", 0) + o.stats.get("misses", 0) == NEW
+        assert o.stats.spec.hits + o.stats.spec.misses == NEW
         if draft == "wrong":
-            assert o.stats.get("hits", 0) == 0, "an always-wrong draft must miss every step"
+            assert o.stats.spec.hits == 0, "an always-wrong draft must miss every step"
         if draft == "right" and num_stages > 1 and policy != "best-first":
             # requests arriving together share the S pipeline slots (SpecPipe-DB): a request's first
             # layer may have to wait for a free slot until its prompt's result is back, one miss
             # (best-first ranks by cumulative score and may leave the right child out on flat distributions)
-            assert o.stats.get("misses", 0) <= 1, "an always-right draft misses at most at the start"
+            assert o.stats.spec.misses <= 1, "an always-right draft misses at most at the start"
     assert all(not r.cache.requests for r in runners), "finished requests leave nothing on any stage"
     assert not sched.trees and not sched.requests
 
@@ -53,8 +53,8 @@ def test_one_request_with_a_perfect_draft_commits_about_one_token_per_step(tiny_
     sched = SpecPipeScheduler(8, always_right(tiny_model8), width=1, topk=1, policy=policy)
     out = InProcessPipeline(make_runners(tiny_model8, 8, layers=8)).run(sched, [Request("r", [3, 4, 5], 32)])
     # the first token needs a full trip (S steps) after the prompt; every later one ideally one step
-    assert out["r"].stats["steps"] <= 8 + 32
-    assert out["r"].stats["tokens_per_step"] > 0.8
+    assert out["r"].stats.steps <= 8 + 32
+    assert out["r"].stats.tokens_per_step > 0.8
 
 
 @pytest.mark.parametrize("draft", ["wrong", "quant"])

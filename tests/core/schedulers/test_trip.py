@@ -29,7 +29,7 @@ def test_trip_methods_match_transformers(tiny_model8, tiny_hf8, tiny_draft_model
         o = out[f"r{i}"]
         assert o.tokens == hf_greedy(tiny_hf8, p, NEW), (method, draft, num_stages, i)
         if draft == "wrong":
-            assert o.stats["hits"] == 0
+            assert o.stats.spec.hits == 0
     assert all(not r.cache.requests for r in runners)
 
 
@@ -39,8 +39,8 @@ def test_sps_with_a_perfect_draft_accepts_whole_chains(tiny_model8):
     out = InProcessPipeline(make_runners(tiny_model8, 4, layers=8)).run(sched, [Request("r", [3, 4, 5], 20)])
     s = out["r"].stats
     # every trip commits its k=4 draft tokens plus the target's bonus token: 20 tokens in 4 trips
-    assert s["hits"] == 16 and s["misses"] == 4 and s["trips"] == 4
-    assert s["steps"] == 4 * (1 + 4)           # prompt trip + 4 speculation trips, S=4 steps each
+    assert s.spec.hits == 16 and s.spec.misses == 4 and s.spec.trips == 4
+    assert s.steps == 4 * (1 + 4)           # prompt trip + 4 speculation trips, S=4 steps each
 
 
 def test_one_trip_in_flight_per_request(tiny_model8):
