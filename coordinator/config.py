@@ -1,6 +1,6 @@
 """CoordinatorConfig: the coordinator process's settings, from CLI flags or SPECPIPE_* environment.
 
-Each setting is declared once, as a field made with `option` (services/options.py): its flag and environment
+Each setting is declared once, as a field made with `option` (common/options.py): its flag and environment
 variable come from the field (`width` -> --width, SPECPIPE_WIDTH), and so do `from_args` and the schedulers'
 SpecOptions (`config.spec_options(draft)`). The speculation fields are Speculation's
 (coordinator/core/schedulers/registry.py), the internal hops' TLS files TLSOptions' (services/config.py).
@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass
 
 from services.config import TLSOptions, tls_arguments
-from services.options import add_flag, add_options, env_name, option, values
-from services.tls import TLSFiles
+from common.options import add_flag, add_options, env_name, option, values
+from common.tls import TLSFiles
 
 from coordinator.core.schedulers.registry import TREE_POLICIES, Speculation
 from coordinator.core.verify import VERIFIERS

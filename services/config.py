@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.options import add_flag, add_options, env_name, option, values
-from services.tls import COORDINATOR_NAME, STAGE_NAME, PeerNames, TLSFiles
+from common.options import add_flag, add_options, env_name, option, values
+from common.tls import COORDINATOR_NAME, STAGE_NAME, PeerNames, TLSFiles
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -93,7 +93,7 @@ class TLSOptions:
 
 @dataclass(frozen=True)
 class StageConfig(TLSOptions):
-    """One stage's settings; each `option` is also a flag and a SPECPIPE_* variable (services/options.py), in
+    """One stage's settings; each `option` is also a flag and a SPECPIPE_* variable (common/options.py), in
     the order of `specpipe stage --help`."""
     model: str = option("default", "Hugging Face folder or hub id; 'default' = embedded SmolLM2-135M-Instruct")
     stage: int = option(0, "this stage's index, or 'auto': the ordinal at the end of the host name (a "
@@ -162,7 +162,7 @@ class StageConfig(TLSOptions):
 
     @property
     def peer_names(self) -> PeerNames | None:
-        """Who may call which RPC (services/tls.py), or None with TLS off (no identities to check). With
+        """Who may call which RPC (common/tls.py), or None with TLS off (no identities to check). With
         `tls_peer_template` it depends on `stage`: rebuild it when Configure moves the stage."""
         if not self.tls.enabled:
             return None

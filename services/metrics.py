@@ -15,7 +15,7 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.core import REGISTRY, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from services.batch import StageTrace
+from common.batch import StageTrace
 from services.config import StageConfig
 from services.runner import StageRunner
 

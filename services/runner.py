@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from services.batch import Control, MicroBatch, Segment, StageTrace
+from common.batch import Control, MicroBatch, Segment, StageTrace
 from services.kv_cache import KVCache
 from services.model.shard import AttendPlan, LlamaShard
 from services.nodes import ProtocolError
-from services.sampling import sample, warp
+from common.sampling import sample, warp
 
 
 class BatchError(ValueError):

@@ -11,13 +11,13 @@ import torch
 
 from protos import stage_pb2, stage_pb2_grpc
 from services.config import MiB, StageConfig
-from services.grpc_server import Server
-from services.logs import configure, get_logger
-from services.memory import tune_allocator
-from services.metrics_http import serve_metrics
+from common.grpc_server import Server
+from common.logs import configure, get_logger
+from common.memory import tune_allocator
+from common.metrics_http import serve_metrics
 from services.model.loader import resolve_model, stderr_log
 from services.model.shard import even_split, load_shard
-from services.options import service_parser
+from common.options import service_parser
 from services.runner import StageRunner
 from services.servicer import StageServicer
 

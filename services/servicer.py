@@ -4,7 +4,7 @@ Ownership: the StageRunner (and through it the KVCache) is touched only under `s
 in a worker thread so control messages keep flowing while a step computes. `self._busy` serialises steps
 (compute plus the emulated stage time), as one GPU would.
 
-With TLS on, each RPC first checks the caller's certificate names (services/tls.py `PeerNames`):
+With TLS on, each RPC first checks the caller's certificate names (common/tls.py `PeerNames`):
 Configure, Results and Control only from the coordinator, Forward from the coordinator or a stage (with a
 certificate per stage: from the previous stage, by the index the last Configure gave; an open Forward stream
 is checked again when Configure changes who that is).
@@ -19,17 +19,17 @@ from dataclasses import replace
 import grpc
 
 from protos import stage_pb2, stage_pb2_grpc
-from services.batch import Segment
-from services.codec import CodecError
+from common.batch import Segment
+from common.codec import CodecError
 from services.config import StageConfig
-from services.grpc_server import channel_options
+from common.grpc_server import channel_options
 from services import metrics
-from services.logs import get_logger
+from common.logs import get_logger
 from services.model.shard import load_shard
 from services.nodes import ProtocolError
 from services.runner import BatchError, StageRunner
-from services.tls import open_channel, require_peer
-from services.wire import batch_from_proto, batch_to_proto, control_from_proto
+from common.tls import open_channel, require_peer
+from common.wire import batch_from_proto, batch_to_proto, control_from_proto
 
 log = get_logger(__name__)
 _END = object()

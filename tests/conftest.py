@@ -59,7 +59,7 @@ def pki(tmp_path_factory):
     """Certificates for the mutual-TLS tests: a CA, a stage's, the coordinator's, one with a name the stages
     do not know, and one with the coordinator's name from another CA; PEM paths."""
     from helpers.certs import make_ca, make_leaf, write
-    from services.tls import COORDINATOR_NAME, STAGE_NAME
+    from common.tls import COORDINATOR_NAME, STAGE_NAME
     from cryptography.hazmat.primitives import serialization
     tmp = tmp_path_factory.mktemp("pki")
     ca, other_ca = make_ca("specpipe-ca"), make_ca("intruder-ca")

@@ -2,7 +2,8 @@
 
 Layers, lowest first: `coordinator.core` (pure, sans-IO: no grpc, no asyncio) <- `coordinator.engine` (asyncio,
 no grpc server, no front ends) <- `coordinator.frontends` <- `coordinator.cli`, `coordinator.bench`. `services`
-(the stage) never imports the coordinator; `client` needs only grpc and the generated protos.
+(the stage) never imports the coordinator; `common` (what both share) imports neither; `client` needs only grpc
+and the generated protos.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("coordinator", "services", "client", "protos")
+PACKAGES = ("coordinator", "services", "common", "client", "protos")
 
 
 def module_name(path: Path) -> str:
@@ -113,12 +114,14 @@ def test_no_import_cycles_anywhere() -> None:
 FORBIDDEN = {
     "coordinator.core": ("grpc", "grpc_health", "asyncio", "aiohttp", "protos", "kubernetes", "prometheus_client",
                          "coordinator.engine", "coordinator.frontends", "coordinator.cli", "coordinator.bench",
-                         "services.servicer", "services.server", "services.grpc_server", "services.wire"),
+                         "services.servicer", "services.server", "common.grpc_server", "common.wire", "common.malformed",
+                         "common.metrics_http"),
     "coordinator.engine": ("aiohttp", "coordinator.frontends", "coordinator.cli", "coordinator.bench"),
     "coordinator.frontends": ("coordinator.cli", "coordinator.bench"),
     "coordinator.bench": ("coordinator.cli",),          # what both need lives below them
     "services": ("coordinator", "client"),
-    "client": ("torch", "transformers", "services", "coordinator"),
+    "common": ("services", "coordinator", "client"),      # shared by both: depends on neither
+    "client": ("torch", "transformers", "services", "common", "coordinator"),
 }
 
 

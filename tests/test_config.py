@@ -8,7 +8,7 @@ from dataclasses import fields
 import pytest
 
 from services.config import StageConfig, TLSOptions
-from services.options import options
+from common.options import options
 
 from coordinator.cli.main import _generate_parser, build_parser
 from coordinator.config import CoordinatorConfig, SpecConfig, spec_kwargs

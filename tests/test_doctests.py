@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 WITH_EXAMPLES = sorted(
     ".".join(p.relative_to(ROOT).with_suffix("").parts)
-    for pkg in ("coordinator", "services", "client") for p in (ROOT / pkg).rglob("*.py")
+    for pkg in ("coordinator", "services", "common", "client") for p in (ROOT / pkg).rglob("*.py")
     if ">>> " in p.read_text())
 
 

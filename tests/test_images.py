@@ -58,7 +58,7 @@ DISTRIBUTIONS = {"aiohttp": "aiohttp", "google": "protobuf", "grpc": "grpcio", "
 
 
 def test_the_runtime_install_has_every_package_the_code_imports():
-    """The images install no test extras: whatever coordinator/, services/ and protos/ import must be a
+    """The images install no test extras: whatever coordinator/, services/, common/ and protos/ import must be a
     declared dependency (not one that only `[test]` or a transitive dependency happens to bring)."""
     import ast
     import sys
@@ -66,14 +66,14 @@ def test_the_runtime_install_has_every_package_the_code_imports():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     declared = {re.split(r"[<>=\[ ]", d, maxsplit=1)[0].lower() for d in project["dependencies"]}
     imported = set()
-    for root in ("coordinator", "services", "protos"):
+    for root in ("coordinator", "services", "common", "protos"):
         for f in (ROOT / root).rglob("*.py"):
             for node in ast.walk(ast.parse(f.read_text())):
                 if isinstance(node, ast.Import):
                     imported |= {a.name.split(".")[0] for a in node.names}
                 elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                     imported.add(node.module.split(".")[0])
-    third_party = imported - set(sys.stdlib_module_names) - {"coordinator", "services", "protos", "client"}
+    third_party = imported - set(sys.stdlib_module_names) - {"coordinator", "services", "common", "protos", "client"}
     unknown = third_party - DISTRIBUTIONS.keys()
     assert not unknown, f"map these imports to their distribution: {sorted(unknown)}"
     missing = sorted(DISTRIBUTIONS[n] for n in third_party if DISTRIBUTIONS[n] not in declared)

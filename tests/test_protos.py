@@ -25,7 +25,7 @@ def test_regenerating_protos_changes_nothing(tmp_path):
 
 
 def test_message_size_limits_are_explicit():
-    from services.grpc_server import channel_options, server_options
+    from common.grpc_server import channel_options, server_options
     for opts in (channel_options(1234), server_options(1234)):
         d = dict(opts)
         assert d["grpc.max_send_message_length"] == 1234 and d["grpc.max_receive_message_length"] == 1234

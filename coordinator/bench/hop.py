@@ -1,7 +1,7 @@
 """`specpipe bench-hop`: what one stage hop costs over real gRPC on 127.0.0.1.
 
 A hop is the path a micro-batch's hidden states take from one stage to the next: the sender encodes the
-micro-batch (`services.wire.batch_to_proto`) and writes it on its open `Stage.Forward` stream; the receiver,
+micro-batch (`common.wire.batch_to_proto`) and writes it on its open `Stage.Forward` stream; the receiver,
 another process, decodes it (`batch_from_proto`) and holds the tensor. Measured here from the sender's call
 to the receiver holding the tensor, on CLOCK_MONOTONIC (one clock for every process of a machine), one
 micro-batch at a time (latency, not throughput), with the stages' own channel and server options.
@@ -28,12 +28,12 @@ import grpc
 import torch
 
 from protos import stage_pb2, stage_pb2_grpc
-from services.batch import MicroBatch, Segment
+from common.batch import MicroBatch, Segment
 from services.config import parse_dtype
-from services.grpc_server import channel_options, server_options
-from services.memory import tune_allocator
-from services.sampling import Sampling
-from services.wire import batch_from_proto, batch_to_proto
+from common.grpc_server import channel_options, server_options
+from common.memory import tune_allocator
+from common.sampling import Sampling
+from common.wire import batch_from_proto, batch_to_proto
 
 LIMIT = 256 * 1024 * 1024
 
@@ -86,7 +86,7 @@ def _quantiles(xs: list[float]) -> dict[str, float]:
 async def measure(rows: int, hidden_size: int, dtype: torch.dtype, count: int, warmup: int,
                   tuned: bool = True) -> dict:
     """Hops of one micro-batch of [rows, hidden_size] `dtype` hidden states; see the module docstring.
-    `tuned`: both processes run with `services.memory.tune_allocator` (as the stages and coordinator do)."""
+    `tuned`: both processes run with `common.memory.tune_allocator` (as the stages and coordinator do)."""
     if tuned:
         tune_allocator()
     ctx = mp.get_context("spawn")
@@ -136,7 +136,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=30, help="hops sent first and not counted")
     p.add_argument("--allocator", choices=("tuned", "default"), default="tuned",
                    help="tuned: glibc keeps message-sized buffers on the heap, as in the stages and coordinator "
-                        "(services/memory.py); default: glibc's own settings, for comparison. A sender that "
+                        "(common/memory.py); default: glibc's own settings, for comparison. A sender that "
                         "already tuned its allocator cannot untune it: run `default` in a fresh process")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 

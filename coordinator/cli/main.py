@@ -14,9 +14,9 @@ import sys
 import time
 from typing import TYPE_CHECKING, NoReturn
 
-from services.logs import configure
-from services.memory import tune_allocator
-from services.options import add_flag
+from common.logs import configure
+from common.memory import tune_allocator
+from common.options import add_flag
 
 if TYPE_CHECKING:                       # imported lazily at run time: `specpipe generate` needs no torch
     from coordinator.engine.local import LocalStages
@@ -325,7 +325,7 @@ async def cmd_local(args: argparse.Namespace) -> int:
                                    **spec_kwargs(args))
         server, coordinator = await start(config)
         if args.metrics_port:
-            from services.metrics_http import serve_metrics
+            from common.metrics_http import serve_metrics
             metrics_http = await serve_metrics(args.host, args.metrics_port)
             print(f"specpipe: metrics at http://{args.host}:{args.metrics_port}/metrics (stage i: port "
                   f"{args.metrics_port} + 1 + i)", file=sys.stderr)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.batch import MicroBatch
+from common.batch import MicroBatch
 
 
 @dataclass(frozen=True)

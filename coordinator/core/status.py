@@ -11,7 +11,7 @@ import enum
 
 
 class Status(enum.IntEnum):
-    """A gRPC status code by its number (stages send numbers: services/batch.Segment.error_code)."""
+    """A gRPC status code by its number (stages send numbers: common/batch.Segment.error_code)."""
 
     OK = 0
     CANCELLED = 1

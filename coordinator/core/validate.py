@@ -5,7 +5,7 @@ import secrets
 import struct
 from dataclasses import dataclass
 
-from services.sampling import GREEDY, Sampling
+from common.sampling import GREEDY, Sampling
 
 from coordinator.core.vocabulary import Method, names
 

@@ -3,7 +3,7 @@
 Two verifiers keep the target's distribution exactly:
 
 - `match` (sample-then-match, default): the last stage draws the target's token at the node with the
-  request's seeded noise (services/sampling.py); a child carrying that token is a hit, otherwise that token
+  request's seeded noise (common/sampling.py); a child carrying that token is a hit, otherwise that token
   is the bonus. The committed token is always the target's own sample, so any set of children is exact;
   the draft proposes with the *same* noise so that its first child is the token the target most likely
   draws. Output is a function of the seed alone (the same for every method). PipeInfer works this way.

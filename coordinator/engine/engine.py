@@ -18,9 +18,9 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from services.batch import MicroBatch
-from services.logs import get_logger
-from services.sampling import GREEDY, Sampling
+from common.batch import MicroBatch
+from common.logs import get_logger
+from common.sampling import GREEDY, Sampling
 
 from coordinator.core.admission import Admission, kv_need
 from coordinator.core.schedulers.base import Action, Broadcast, Emit, Finish, Inject, Request, Scheduler

@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from services.batch import MicroBatch
-from services.logs import get_logger
+from common.batch import MicroBatch
+from common.logs import get_logger
 
 from coordinator.core.schedulers.base import Action, Broadcast, Inject, Scheduler
 

@@ -13,7 +13,7 @@ import asyncio
 import threading
 from collections.abc import Callable
 
-from services.logs import get_logger
+from common.logs import get_logger
 
 log = get_logger(__name__)
 

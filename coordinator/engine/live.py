@@ -27,7 +27,7 @@ import asyncio
 from copy import deepcopy
 from dataclasses import dataclass, field, replace
 
-from services.batch import MicroBatch
+from common.batch import MicroBatch
 
 from coordinator.core.schedulers.base import Emit, Finish, Request, Scheduler
 from coordinator.core.schedulers.registry import SpecOptions

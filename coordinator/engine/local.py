@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 
 from protos import stage_pb2, stage_pb2_grpc
-from services.logs import get_logger
+from common.logs import get_logger
 
 log = get_logger(__name__)
 

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Generic, TypeVar
 
-from services.tls import TLSFiles
+from common.tls import TLSFiles
 
 from coordinator.engine.engine import Engine
 from coordinator.engine.state import EngineState

@@ -30,7 +30,7 @@ import grpc
 from prometheus_client import Counter
 
 from protos import stage_pb2
-from services.logs import get_logger
+from common.logs import get_logger
 
 from coordinator.engine.pipeline import Pipelines
 from coordinator.engine.scaling import configure, plan, release_held

@@ -25,11 +25,11 @@ import grpc
 from prometheus_client import Counter
 
 from protos import stage_pb2, stage_pb2_grpc
-from services.batch import Control
-from services.logs import get_logger
+from common.batch import Control
+from common.logs import get_logger
 from services.model.shard import even_split
-from services.tls import TLSFiles, open_channel
-from services.wire import control_to_proto
+from common.tls import TLSFiles, open_channel
+from common.wire import control_to_proto
 
 from coordinator.engine.pipeline import Pipelines
 from coordinator.engine.state import EngineState

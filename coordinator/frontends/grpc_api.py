@@ -16,8 +16,8 @@ import grpc
 import structlog
 
 from protos import generation_pb2, generation_pb2_grpc
-from services.grpc_server import peer_host
-from services.logs import get_logger
+from common.grpc_server import peer_host
+from common.logs import get_logger
 
 from coordinator.core.status import Status
 from coordinator.core.validate import InvalidRequest
@@ -116,7 +116,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     Bounds, each checked before the request is looked at, each refusal RESOURCE_EXHAUSTED: `max_streams`
     Generate streams at once (`--api-max-concurrent-rpcs`; health Watch streams are bounded apart,
-    services/grpc_server.py), `max_per_client` of them per client (`--max-per-client`: its token, else its
+    common/grpc_server.py), `max_per_client` of them per client (`--max-per-client`: its token, else its
     address; 0 = no limit). A stream whose client does not take a message for `write_timeout_s`
     (`--stream-write-timeout-s`: it stopped reading and the flow-control window is full) ends with
     DEADLINE_EXCEEDED and its request is cancelled, so a stalled reader holds nothing."""

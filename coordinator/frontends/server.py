@@ -9,12 +9,12 @@ from grpc_health.v1 import health_pb2
 
 from protos import generation_pb2, generation_pb2_grpc
 from services.config import MiB
-from services.grpc_server import Server
-from services.memory import tune_allocator
-from services.metrics_http import serve_metrics
-from services.logs import configure, get_logger
-from services.options import service_parser
-from services.tls import TLSFiles
+from common.grpc_server import Server
+from common.memory import tune_allocator
+from common.metrics_http import serve_metrics
+from common.logs import configure, get_logger
+from common.options import service_parser
+from common.tls import TLSFiles
 
 from coordinator.frontends.grpc_api import ApiTokenInterceptor, GenerationServicer, serving_state
 from coordinator.config import CoordinatorConfig
@@ -30,9 +30,9 @@ log = get_logger("specpipe.coordinator")
 
 
 def api_server_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """The public port's gRPC options (stage hops use services/grpc_server.server_options): its own message
+    """The public port's gRPC options (stage hops use common/grpc_server.server_options): its own message
     limit, a keepalive that finds dead clients, and pings policed (our clients ping every 30 s,
-    services/grpc_server.channel_options; more than every 10 s without data is a strike, 2 strikes end the
+    common/grpc_server.channel_options; more than every 10 s without data is a strike, 2 strikes end the
     connection)."""
     return [("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -45,7 +45,7 @@ def api_server_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 class ApiServer(Server):
-    """The public gRPC server: health, reflection and drain as every server (services/grpc_server.Server),
+    """The public gRPC server: health, reflection and drain as every server (common/grpc_server.Server),
     with the public port's limits (`--api-max-message-mb`, `--api-max-concurrent-rpcs`, keepalive and ping
     policing), the bearer-token check before any request is read (coordinator/api.ApiTokenInterceptor),
     and health that tells the truth: "" and specpipe.v1.Generation are SERVING only while the pipeline

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from services.logs import get_logger
+from common.logs import get_logger
 from services.model.loader import resolve_model, stderr_log
 
 from coordinator.config import CoordinatorConfig

@@ -11,9 +11,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import stage_pb2, stage_pb2_grpc
 from services.config import MiB
-from services.grpc_server import Server
+from common.grpc_server import Server
 from services.server import SERVICE_NAME
-from services.tls import TLSFiles
+from common.tls import TLSFiles
 from helpers.stage_servers import stage_servers
 from helpers.chart import CHART, K8S_VERSION, by_kind, helm, one, render
 from helpers.certs import make_ca, write

@@ -18,7 +18,7 @@ from helpers.certs import make_ca, make_leaf, write, write_ca
 from helpers.chart import CHART, K8S_VERSION, by_kind, helm, one, render
 from protos import stage_pb2, stage_pb2_grpc
 from services.config import StageConfig
-from services.tls import TLSFiles
+from common.tls import TLSFiles
 from helpers.stage_servers import stage_servers
 
 PER_POD = ["tls.enabled=true", "tls.certManager.enabled=true", "tls.certManager.issuerRef.name=specpipe-ca",

@@ -17,11 +17,11 @@ from coordinator.core.schedulers.specpipe import SpecPipeScheduler
 from coordinator.core.tree import POLICIES, TokenTree
 from helpers.fuzz_harness import check_invariants
 from helpers.ids import id_counter
-from services.batch import MicroBatch, Segment, StageTrace
+from common.batch import MicroBatch, Segment, StageTrace
 from services.kv_cache import CacheGeometry, RequestKV
 from services.nodes import ProtocolError
-from services.sampling import Sampling
-from services.wire import batch_from_proto, batch_to_proto
+from common.sampling import Sampling
+from common.wire import batch_from_proto, batch_to_proto
 
 # -- node table + KV slots: random control / data sequences ----------------------------------------
 IDS = st.integers(-2, 9)        # small: collisions, unknown parents, negatives and re-used ids are common

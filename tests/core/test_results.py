@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.batch import MicroBatch, Segment
+from common.batch import MicroBatch, Segment
 from coordinator.core.results import Sent, check
 from coordinator.core.schedulers.base import Emit, Finish, Inject, Request
 from coordinator.core.schedulers.cbpp import CBPPScheduler

@@ -17,7 +17,7 @@ from coordinator.engine.loops.inprocess import InProcessPipeline
 from helpers.reference import reference_sample
 from helpers.shard import make_runners
 from services.model.shard import load_causal_lm
-from services.sampling import Sampling, gumbel, sample, warp
+from common.sampling import Sampling, gumbel, sample, warp
 
 ALPHA = 1e-3          # significance of every goodness-of-fit test below
 
@@ -167,7 +167,10 @@ def test_rejection_verification_gives_the_target_distribution(small_vocab, metho
     s = Sampling(1.0)
     probs = exact_first_two(small_vocab[0], [1, 5, 2], s)
     assert float((probs > 0.01).sum()) >= 8, "the test needs a spread-out target"
-    assert chi_square_p(first_two_counts(method, small_vocab, s, 1500), probs) > ALPHA
+    # the trip methods run one request per micro-batch (1500 cost sps 44 s, tree 54 s): fewer samples, a test
+    # of the same size (ALPHA) with less power; specpipe batches them all and keeps 1500
+    assert chi_square_p(first_two_counts(method, small_vocab, s, 1500 if method == "specpipe" else 600),
+                        probs) > ALPHA
 
 
 def test_a_wrong_verifier_is_caught_end_to_end(small_vocab, monkeypatch):

@@ -11,7 +11,7 @@ import torch
 
 from helpers.reference import hf_greedy
 from helpers.shard import chain, through
-from services.batch import MicroBatch
+from common.batch import MicroBatch
 from services.model.loader import ensure_default_model
 from services.model.shard import even_split, load_shard
 from services.runner import StageRunner

@@ -1,7 +1,7 @@
 """Security: mutual TLS on the internal hops (stages refuse peers without a certificate from their CA),
 TLS and a bearer token on the public API, and nothing decoded from the network by pickle or eval.
 Certificates are made in the test with `cryptography`; the stage and coordinator certificates carry the
-default identities (services/tls.py), which test_tls_identity.py checks RPC by RPC."""
+default identities (common/tls.py), which test_tls_identity.py checks RPC by RPC."""
 from __future__ import annotations
 
 import ast
@@ -14,7 +14,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.frontends.server import start
 from protos import generation_pb2, generation_pb2_grpc, stage_pb2, stage_pb2_grpc
 from helpers.reference import hf_greedy
-from services.tls import TLSFiles, open_channel
+from common.tls import TLSFiles, open_channel
 from helpers.stage_servers import stage_servers
 
 pytestmark = pytest.mark.grpc
@@ -101,7 +101,7 @@ def test_tls_files_are_checked(pki):
 
 def test_nothing_from_the_network_is_decoded_with_pickle_or_eval():
     """No module of the services imports pickle/marshal/shelve or calls eval/exec; torch.load is not used
-    (tensors travel as raw bytes with dtype and shape, services/codec.py)."""
+    (tensors travel as raw bytes with dtype and shape, common/codec.py)."""
     for path in [*ROOT.glob("services/**/*.py"), *ROOT.glob("coordinator/**/*.py"), *ROOT.glob("protos/*.py")]:
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):

@@ -21,8 +21,8 @@ from coordinator.frontends.service import Coordinator, GenerateInput
 from helpers.reference import hf_greedy
 from helpers.stage_servers import stage_servers
 from helpers.wait import wait_until, wait_until_empty
-from services.batch import MicroBatch, Segment
-from services.sampling import Sampling
+from common.batch import MicroBatch, Segment
+from common.sampling import Sampling
 
 
 def failures(outcome: str) -> float:

@@ -1,7 +1,7 @@
 """coordinator/engine/inflight.py: when a micro-batch counts as lost."""
 from __future__ import annotations
 
-from services.batch import MicroBatch
+from common.batch import MicroBatch
 
 from coordinator.core.schedulers.pp import PPScheduler
 from coordinator.engine.inflight import BATCH_TIMEOUT_FACTOR, MIN_BATCH_TIMEOUT_S, InFlight

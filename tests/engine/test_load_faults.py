@@ -73,7 +73,7 @@ CHUNK = 16          # --prefill-chunk: the long prompts below take 4 to 6 micro-
 @pytest.mark.slow
 async def test_a_minute_of_mixed_malformed_and_valid_requests(tiny_model, tiny_hf):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
-    from services.grpc_server import WATCH_PER_PEER
+    from common.grpc_server import WATCH_PER_PEER
     ps = prompts(6, seed=5)
     rng0 = random.Random(26)
     long_ps = [[rng0.randrange(3, 256) for _ in range(rng0.randrange(4 * CHUNK, 6 * CHUNK))] for _ in range(3)]

@@ -16,7 +16,7 @@ from coordinator.engine.live import MAX_FRUITLESS, LiveRequest, Requests
 from coordinator.engine.pipeline import OwnershipError, Pipelines
 from coordinator.engine.state import EngineState, EngineStateError, Unavailable
 from helpers.wait import wait_until
-from services.batch import Control, MicroBatch
+from common.batch import Control, MicroBatch
 
 WAIT_S = 10.0      # a bound on waits for conditions, so that a broken run fails instead of hanging
 
@@ -244,7 +244,7 @@ def test_ttft_phases_on_hand_set_times_add_up_to_the_ttft_and_count_a_re_run_in_
     end the phase), first token at 5.624: phases 2 / 12 / 5602 / 8 ms. A re-run before any token moves the
     end of the pipeline phase to the re-run's own prompt result (prompt + the tokens streamed = still 10)."""
     from coordinator.core.schedulers.base import Emit
-    from services.batch import Segment
+    from common.batch import Segment
 
     def batch(rid: str, positions: list[int]) -> MicroBatch:
         return MicroBatch(1, [Segment(rid, positions, [-1] * len(positions), positions, [0] * len(positions),

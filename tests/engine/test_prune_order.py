@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from helpers.shard import chain, make_runners
-from services.batch import Control, MicroBatch, Segment
+from common.batch import Control, MicroBatch, Segment
 
 
 def scenario(tiny_model, prune_first_at: set[int]):

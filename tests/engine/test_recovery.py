@@ -23,6 +23,8 @@ from protos import generation_pb2, generation_pb2_grpc, stage_pb2, stage_pb2_grp
 
 pytestmark = pytest.mark.grpc
 
+# stage kills in the SIGKILL test (each costs a stage process start and a recovery)
+KILLS = int(os.environ.get("SPECPIPE_KILLS", "6"))
 PROMPTS = [[5, 6, 7], [40, 41], [100, 3, 9, 27, 60], [200]]
 
 
@@ -59,7 +61,8 @@ async def supervised(tiny_model):
 
 
 async def test_sigkilled_stages_are_recovered_and_every_stream_is_exact(supervised, tiny_model, tiny_hf):
-    """10 SIGKILLs of a random stage at a random moment, 5 under pp and 5 under specpipe, 3 streams each."""
+    """SIGKILLs (KILLS) of a random stage at a random moment, half under pp and half under specpipe, 3 streams
+    each (6; `SPECPIPE_KILLS=10` for a longer run: each costs a stage process start and a recovery)."""
     stages = supervised
     server, coord = await start(CoordinatorConfig(stages=tuple(stages.addresses), model=str(tiny_model), port=0,
                                                   recovery_timeout_s=90, probe_interval_s=0.5,
@@ -70,8 +73,8 @@ async def test_sigkilled_stages_are_recovered_and_every_stream_is_exact(supervis
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
             stub = generation_pb2_grpc.GenerationStub(ch)
-            for round_ in range(10):
-                method = "pp" if round_ < 5 else "specpipe"
+            for round_ in range(KILLS):
+                method = "pp" if round_ < KILLS // 2 else "specpipe"
                 prompts = rng.sample(PROMPTS, 3)
                 streams = [asyncio.create_task(_stream(stub, p, 48, method)) for p in prompts]
                 await asyncio.sleep(rng.uniform(0.05, 0.5))    # kill at a random moment (the test, not a wait)
@@ -84,8 +87,8 @@ async def test_sigkilled_stages_are_recovered_and_every_stream_is_exact(supervis
                     assert last.stats.completion_tokens == 48
                 if any(last.stats.counters["recoveries"] for _, last in results):
                     recovered_rounds += 1
-        assert sum(stages.restarts) == 10
-        assert recovered_rounds >= 7, "most kills should land while the streams run"
+        assert sum(stages.restarts) == KILLS
+        assert recovered_rounds >= KILLS * 2 // 3, "most kills should land while the streams run"
         # releases of the last round travel on the control streams
         await wait_until(lambda: _stages_hold_nothing(stages.addresses), timeout=10,
                          what="no request state left on any stage")

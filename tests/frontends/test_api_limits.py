@@ -250,7 +250,7 @@ async def test_held_health_watch_streams_never_lock_out_generate_or_check(tiny_m
     --api-max-concurrent-rpcs is 4. Before the bound, Watch streams counted against that cap."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from services.grpc_server import WATCH_PER_PEER
+    from common.grpc_server import WATCH_PER_PEER
     from coordinator.engine.local import free_port
     async with serving(tiny_model, api_max_concurrent_rpcs=4, health_port=free_port()) as s:
         async with grpc.aio.insecure_channel(s.grpc_addr) as ch, \
@@ -295,7 +295,7 @@ class WatchContext:
 async def test_the_watch_bound_counts_per_address_and_all_addresses_together():
     from grpc_health.v1 import health_pb2
 
-    from services.grpc_server import BoundedHealth
+    from common.grpc_server import BoundedHealth
     health = BoundedHealth(per_peer=2, total=3)
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
     req = health_pb2.HealthCheckRequest()

@@ -29,9 +29,9 @@ from helpers.pipe import Pipe, prefill
 from helpers.stage_servers import stage_servers
 from helpers.wait import wait_until, wait_until_blocking
 from protos import generation_pb2, generation_pb2_grpc, stage_pb2, stage_pb2_grpc
-from services.batch import MicroBatch, Segment
+from common.batch import MicroBatch, Segment
 from services.config import MiB, StageConfig
-from services.wire import batch_to_proto
+from common.wire import batch_to_proto
 
 Samples = dict[tuple[str, frozenset], float]
 

@@ -6,7 +6,7 @@
 """
 from __future__ import annotations
 
-from services.batch import MicroBatch
+from common.batch import MicroBatch
 
 from coordinator.core.schedulers.base import Inject, Scheduler
 

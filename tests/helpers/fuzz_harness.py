@@ -19,13 +19,13 @@ from coordinator.engine.local import free_port
 from coordinator.config import CoordinatorConfig
 from coordinator.frontends.server import start as start_coordinator
 from protos import common_pb2, generation_pb2_grpc, stage_pb2, stage_pb2_grpc
-from services.batch import Control
+from common.batch import Control
 from services.config import MiB, StageConfig
-from services.grpc_server import Server
+from common.grpc_server import Server
 from services.kv_cache import RequestKV
 from services.server import SERVICE_NAME, build_runner
 from services.servicer import StageServicer
-from services.wire import control_to_proto
+from common.wire import control_to_proto
 
 T = TypeVar("T")
 SC = grpc.StatusCode
@@ -157,8 +157,8 @@ class Env:
 
     async def greedy_a(self, prompt: list[int], n: int) -> list[int]:
         """Greedy decoding over the raw pipeline, one token per trip (like `pp`); releases at the end."""
-        from services.batch import MicroBatch, Segment
-        from services.wire import batch_to_proto
+        from common.batch import MicroBatch, Segment
+        from common.wire import batch_to_proto
         rid = self.rid()
         ids = list(range(len(prompt)))
         await self.control_a(Control(rid, commit=ids))

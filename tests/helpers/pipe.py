@@ -11,8 +11,8 @@ import asyncio
 import grpc
 
 from protos import stage_pb2, stage_pb2_grpc
-from services.batch import Control, MicroBatch, Segment
-from services.wire import batch_to_proto, control_to_proto
+from common.batch import Control, MicroBatch, Segment
+from common.wire import batch_to_proto, control_to_proto
 
 
 class Pipe:

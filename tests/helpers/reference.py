@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from services.sampling import Sampling, gumbel
+from common.sampling import Sampling, gumbel
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from services.batch import MicroBatch, Segment
+from common.batch import MicroBatch, Segment
 from services.model.shard import even_split, load_shard
 from services.runner import StageRunner
 

@@ -12,7 +12,7 @@ import grpc
 
 from protos import stage_pb2_grpc
 from services.config import MiB, StageConfig
-from services.grpc_server import Server
+from common.grpc_server import Server
 from services.server import SERVICE_NAME, build_runner
 from services.servicer import StageServicer
 

@@ -16,7 +16,7 @@ from helpers.fuzz_harness import (HIDDEN, LAYERS, MAX_MB, SC, VOCAB, Env, check_
                                   micro_batch, raw, segment_ok)
 from helpers.reference import hf_greedy
 from protos import common_pb2, generation_pb2, stage_pb2
-from services.batch import Control
+from common.batch import Control
 
 pytestmark = pytest.mark.grpc
 

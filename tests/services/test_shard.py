@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from helpers.shard import ATOL, chain, make_runners, through
-from services.batch import Control, MicroBatch, Segment
+from common.batch import Control, MicroBatch, Segment
 from services.model.shard import even_split, load_shard
 
 

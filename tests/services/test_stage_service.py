@@ -8,8 +8,8 @@ import torch
 from helpers.pipe import Pipe, prefill
 from helpers.stage_servers import stage_servers
 from protos import common_pb2, stage_pb2, stage_pb2_grpc
-from services.batch import Control, MicroBatch, Segment
-from services.wire import batch_to_proto
+from common.batch import Control, MicroBatch, Segment
+from common.wire import batch_to_proto
 
 pytestmark = pytest.mark.grpc
 

@@ -11,7 +11,7 @@ import pytest
 
 from protos import stage_pb2, stage_pb2_grpc
 from services.config import StageConfig
-from services.tls import COORDINATOR_NAME, STAGE_NAME, PeerNames, TLSFiles, open_channel
+from common.tls import COORDINATOR_NAME, STAGE_NAME, PeerNames, TLSFiles, open_channel
 from helpers.stage_servers import stage_servers
 
 pytestmark = pytest.mark.grpc

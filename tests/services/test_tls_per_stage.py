@@ -13,12 +13,12 @@ import re
 import grpc
 import pytest
 
-import services.tls
+import common.tls
 from helpers.certs import make_ca, make_leaf, write, write_ca
 from protos import stage_pb2, stage_pb2_grpc
 from helpers.reference import hf_greedy
 from services.config import StageConfig
-from services.tls import COORDINATOR_NAME, PeerNames, TLSFiles, open_channel
+from common.tls import COORDINATOR_NAME, PeerNames, TLSFiles, open_channel
 from helpers.stage_servers import stage_servers
 
 pytestmark = pytest.mark.grpc
@@ -193,6 +193,6 @@ def test_a_template_that_forms_the_coordinators_name_is_refused():
 
 
 def test_the_contract_examples_hold():
-    assert doctest.testmod(services.tls).failed == 0
+    assert doctest.testmod(common.tls).failed == 0
     with pytest.raises(ValueError, match="not an index"):
         PeerNames(predecessor=TEMPLATE, stage=-1)

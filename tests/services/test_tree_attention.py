@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers.shard import ATOL, chain, make_runners, through
-from services.batch import Control, MicroBatch, Segment
+from common.batch import Control, MicroBatch, Segment
 
 
 def random_tree(rng: random.Random, prefix_last: int, first_id: int, size: int) -> list[tuple[int, int, int]]:

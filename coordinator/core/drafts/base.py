@@ -14,7 +14,7 @@ Contract, per request:
     commit(rid, ids, tokens) / prune(rid, ids)   mirror the tree (prune takes subtrees)
     release(rid)                           forget the request
 
-Proposals when sampling (services/sampling.py): the children are the top k of the warped draft log-probs
+Proposals when sampling (common/sampling.py): the children are the top k of the warped draft log-probs
 plus Gumbel noise — the target's own noise at that position for `match` verification (so the first child
 is the token the target most likely draws), the draft's own noise for `rejection` (a draw without
 replacement) — in that order, with scores that never increase along it.
@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from services.sampling import GREEDY, Sampling
+from common.sampling import GREEDY, Sampling
 
 from coordinator.core.proposals import ProposalRows
 

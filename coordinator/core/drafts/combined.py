@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from services.sampling import GREEDY, Sampling
+from common.sampling import GREEDY, Sampling
 
 from coordinator.core.drafts.base import DraftNode, DraftSource, Proposals
 from coordinator.core.drafts.model import ModelDraft

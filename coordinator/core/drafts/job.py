@@ -24,7 +24,7 @@ from enum import Enum
 
 import torch
 
-from services.sampling import Sampling
+from common.sampling import Sampling
 
 from coordinator.core.drafts.base import DraftNode, DraftSource, Proposals
 

@@ -14,9 +14,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from services.batch import Control, MicroBatch, Segment
+from common.batch import Control, MicroBatch, Segment
 from services.model.shard import LlamaShard, load_causal_lm
-from services.sampling import GREEDY, Sampling, gumbel, warp
+from common.sampling import GREEDY, Sampling, gumbel, warp
 from services.runner import StageRunner
 
 from coordinator.core.drafts.base import DraftNode, DraftSource, Proposals

@@ -9,7 +9,7 @@ import math
 import time
 from collections import Counter
 
-from services.sampling import GREEDY, Sampling
+from common.sampling import GREEDY, Sampling
 
 from coordinator.core.drafts.base import DraftNode, DraftSource, Proposals
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.batch import Control, MicroBatch, Segment
-from services.sampling import GREEDY, Sampling
+from common.batch import Control, MicroBatch, Segment
+from common.sampling import GREEDY, Sampling
 
 from coordinator.core.results import Sent, check
 from coordinator.core.stats import RequestStats, SpecCounters

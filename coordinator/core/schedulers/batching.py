@@ -54,7 +54,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 
-from services.batch import Control, MicroBatch, Segment
+from common.batch import Control, MicroBatch, Segment
 
 from coordinator.core.schedulers.base import RequestState, Scheduler
 from coordinator.core.status import FinishReason

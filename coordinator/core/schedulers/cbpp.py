@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from services.batch import Segment
+from common.batch import Segment
 
 from coordinator.core.schedulers.base import RequestState
 from coordinator.core.schedulers.batching import BatchingScheduler

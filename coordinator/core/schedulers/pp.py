@@ -5,7 +5,7 @@ Request "a b c" -> inject chain [a, b, c] (output on c) -> target says x -> comm
 """
 from __future__ import annotations
 
-from services.batch import Control, Segment
+from common.batch import Control, Segment
 
 from coordinator.core.schedulers.base import RequestState, Scheduler
 

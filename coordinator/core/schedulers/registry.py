@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from services.options import option
+from common.options import option
 
 from coordinator.core.drafts.base import DraftSource
 from coordinator.core.schedulers.base import Scheduler
@@ -22,7 +22,7 @@ TREE_POLICIES = names(TreePolicy)
 @dataclass(frozen=True, kw_only=True)
 class Speculation:
     """The speculation and batching settings, each declared once: CoordinatorConfig inherits them (with a flag
-    and an environment variable each, e.g. --width and SPECPIPE_WIDTH; services/options.py), SpecOptions adds
+    and an environment variable each, e.g. --width and SPECPIPE_WIDTH; common/options.py), SpecOptions adds
     the draft source, and `spec_options` carries one into the other."""
     # 0 = chosen online by the cost rule (coordinator/core/sizing.py), up to AUTO_MAX; a value given pins it
     width: int = option(0, "tree nodes injected per step; 0: the cost rule picks 1..32, or no speculation "

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from services.batch import MicroBatch, Segment
-from services.sampling import uniform
+from common.batch import MicroBatch, Segment
+from common.sampling import uniform
 
 from coordinator.core.drafts.base import DraftNode, DraftSource
 from coordinator.core.drafts.job import DraftJob, DraftOp, DraftResults, OpKind

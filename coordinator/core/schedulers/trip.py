@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from services.batch import Segment
+from common.batch import Segment
 
 from coordinator.core.drafts.base import DraftSource
 from coordinator.core.drafts.job import DraftJob

@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.batch import MicroBatch
+from common.batch import MicroBatch
 from services.runner import StageRunner
 
 from coordinator.core.schedulers.base import Broadcast, Emit, Finish, Inject, Request, Scheduler

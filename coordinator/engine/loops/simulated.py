@@ -49,7 +49,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.batch import MicroBatch, StageTrace
+from common.batch import MicroBatch, StageTrace
 from services.runner import StageRunner
 
 from coordinator.core.drafts.job import DraftResults

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from services.batch import Control, MicroBatch
+from common.batch import Control, MicroBatch
 
 
 class Transport(Protocol):

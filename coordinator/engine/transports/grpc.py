@@ -19,11 +19,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import stage_pb2, stage_pb2_grpc
-from services.batch import Control, MicroBatch, Segment
-from services.grpc_server import channel_options
-from services.logs import get_logger
-from services.tls import TLSFiles, open_channel
-from services.wire import batch_from_proto, batch_to_proto, control_to_proto
+from common.batch import Control, MicroBatch, Segment
+from common.grpc_server import channel_options
+from common.logs import get_logger
+from common.tls import TLSFiles, open_channel
+from common.wire import batch_from_proto, batch_to_proto, control_to_proto
 
 from coordinator.core.status import Status
 

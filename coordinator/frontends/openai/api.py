@@ -38,7 +38,7 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from services.logs import get_logger
+from common.logs import get_logger
 
 from coordinator.frontends.grpc_api import client_identity, serving_state
 from coordinator.frontends.openai.extras import REQUEST_ID_HEADER, client_request_id, detokenize, tokenize

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from services.logs import get_logger
+from common.logs import get_logger
 
 log = get_logger(__name__)
 FILE = "generation_config.json"

@@ -26,9 +26,9 @@ from coordinator.engine.loops.inprocess import InProcessPipeline
 from helpers.reference import hf_greedy, prompts
 from helpers.reference import reference_sample
 from helpers.shard import make_runners
-from services.batch import Control, MicroBatch
+from common.batch import Control, MicroBatch
 from services.model.shard import load_causal_lm
-from services.sampling import Sampling, warp
+from common.sampling import Sampling, warp
 
 VOCAB = 256                                   # the tiny models' vocabulary
 PROBS = {7: 0.5, 3: 0.25, 9: 0.15, 4: 0.05}   # the module docstring's model row; the rest share 0.05

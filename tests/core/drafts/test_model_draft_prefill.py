@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from services.batch import MicroBatch
+from common.batch import MicroBatch
 
 from coordinator.core.drafts.base import DraftNode
 from coordinator.core.drafts.model import ModelDraft, quantized_copy
 from services.model.shard import load_causal_lm
-from services.sampling import GREEDY
+from common.sampling import GREEDY
 
 
 def proposals_after(draft: ModelDraft, prompts: dict[str, list[int]]) -> dict[str, list]:

@@ -191,7 +191,7 @@ def test_mixed_greedy_and_seeded_requests_under_a_binding_budget_are_exact(tiny_
     2 are cancelled. Greedy requests give transformers' greedy output, sampled ones exactly plain seeded
     sampling from the target, cancelled ones a prefix; then nothing is left."""
     from helpers.reference import reference_sample
-    from services.sampling import Sampling
+    from common.sampling import Sampling
 
     S = 4
     runners = make_runners(tiny_model8, S, layers=8)

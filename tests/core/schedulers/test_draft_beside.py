@@ -20,7 +20,7 @@ from helpers.drafts import AlwaysWrong, always_right
 from helpers.leftovers import assert_nothing_left
 from helpers.reference import hf_greedy, prompts, reference_sample
 from helpers.shard import make_runners, through
-from services.sampling import Sampling
+from common.sampling import Sampling
 
 IDS = itertools.count()
 

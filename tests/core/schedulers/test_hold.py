@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.batch import MicroBatch
-from services.sampling import Sampling
+from common.batch import MicroBatch
+from common.sampling import Sampling
 
 from coordinator.core.schedulers.base import Finish, Request
 from coordinator.core.schedulers.batching import FollowRate

@@ -14,7 +14,7 @@ from coordinator.engine.loops.inprocess import InProcessPipeline
 from helpers.drafts import AlwaysWrong, always_right
 from helpers.reference import hf_greedy, prompts
 from helpers.shard import chain, make_runners
-from services.batch import Control, MicroBatch, Segment
+from common.batch import Control, MicroBatch, Segment
 from services.model.shard import load_causal_lm
 
 PREFIX = [11, 12, 13, 14, 15]      # nodes 0..4, committed

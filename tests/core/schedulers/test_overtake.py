@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.sampling import Sampling
+from common.sampling import Sampling
 
 from coordinator.core.schedulers.base import Inject, Request
 from coordinator.core.schedulers.cbpp import CBPPScheduler

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.batch import MicroBatch
+from common.batch import MicroBatch
 
 from coordinator.core.schedulers.base import Request
 from coordinator.core.schedulers.registry import METHODS, SpecOptions, make_scheduler

@@ -1,4 +1,4 @@
-"""Unit tests for services/codec.py (tensor <-> bytes) and services/wire.py (dataclass <-> proto)."""
+"""Unit tests for common/codec.py (tensor <-> bytes) and common/wire.py (dataclass <-> proto)."""
 from __future__ import annotations
 
 import math
@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protos import common_pb2
-from services.batch import Control, MicroBatch, Segment, StageTrace
-from services.codec import CodecError, decode_tensor, encode_tensor
-from services.wire import (batch_from_proto, batch_to_proto, control_from_proto, control_to_proto,
+from common.batch import Control, MicroBatch, Segment, StageTrace
+from common.codec import CodecError, decode_tensor, encode_tensor
+from common.wire import (batch_from_proto, batch_to_proto, control_from_proto, control_to_proto,
                            tensor_from_proto, tensor_to_proto)
 
 # Hand-written item sizes (independent of the module's own table) and same-width integer views for

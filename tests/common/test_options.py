@@ -1,4 +1,4 @@
-"""services/options.py: a field declared once gives its flag, its environment variable and its help."""
+"""common/options.py: a field declared once gives its flag, its environment variable and its help."""
 from __future__ import annotations
 
 import argparse
@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import pytest
 
-import services.options
-from services.options import add_options, env_of, flag_of, option, options, values
+import common.options
+from common.options import add_options, env_of, flag_of, option, options, values
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,4 +73,4 @@ def test_types_choices_tuples_and_order(monkeypatch):
 
 
 def test_doctests():
-    assert doctest.testmod(services.options).failed == 0
+    assert doctest.testmod(common.options).failed == 0

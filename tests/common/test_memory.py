@@ -1,4 +1,4 @@
-"""services/memory.py: the allocator settings the stage and coordinator processes start with."""
+"""common/memory.py: the allocator settings the stage and coordinator processes start with."""
 from __future__ import annotations
 
 import subprocess
@@ -9,7 +9,7 @@ import pytest
 glibc = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's")
 
 PROBE = """
-from services.memory import tune_allocator
+from common.memory import tune_allocator
 print(tune_allocator(), tune_allocator())
 """
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 
 from protos import common_pb2, stage_pb2
-from services.batch import Control, MicroBatch, Segment, StageTrace
-from services.codec import decode_tensor, encode_tensor
-from services.sampling import Sampling
+from common.batch import Control, MicroBatch, Segment, StageTrace
+from common.codec import decode_tensor, encode_tensor
+from common.sampling import Sampling
 
 
 def tensor_to_proto(t: torch.Tensor, into: common_pb2.Tensor | None = None) -> common_pb2.Tensor:
@@ -41,7 +41,7 @@ def batch_to_proto(b: MicroBatch) -> stage_pb2.MicroBatch:
 
 
 def batch_from_proto(msg: stage_pb2.MicroBatch, device: torch.device | str = "cpu") -> MicroBatch:
-    """Raises services.codec.CodecError for undecodable tensors."""
+    """Raises common.codec.CodecError for undecodable tensors."""
     segments = [Segment(s.request_id, list(s.node_ids), list(s.parent_ids), list(s.positions),
                         list(s.token_ids), list(s.want_output), s.error, s.error_code, s.error_stage,
                         Sampling(s.temperature, s.top_p or 1.0, s.top_k, s.seed))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.sampling import GREEDY, Sampling
+from common.sampling import GREEDY, Sampling
 
 
 @dataclass

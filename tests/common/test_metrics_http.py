@@ -1,4 +1,4 @@
-"""services/metrics_http.py: metrics served on the event loop. Idle connections hold no thread and are
+"""common/metrics_http.py: metrics served on the event loop. Idle connections hold no thread and are
 closed; before, prometheus-client's server started a thread for every connection and kept it forever."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 import aiohttp
 
 from coordinator.engine.local import free_port
-from services.metrics_http import serve_metrics
+from common.metrics_http import serve_metrics
 
 
 async def test_metrics_are_served_and_idle_connections_cost_no_thread_and_close():

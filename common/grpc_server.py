@@ -11,8 +11,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.logs import get_logger
-from services.malformed import MalformedRequestInterceptor
+from common.logs import get_logger
+from common.malformed import MalformedRequestInterceptor
 
 log = get_logger(__name__)
 
@@ -139,7 +139,7 @@ class Server:
         return self.health_port
 
     def bind(self, host: str, port: int, credentials: grpc.ServerCredentials | None = None) -> int:
-        """Listen on host:port, with TLS when credentials are given (services/tls.py)."""
+        """Listen on host:port, with TLS when credentials are given (common/tls.py)."""
         address = f"{host}:{port}"
         self.port = self.server.add_secure_port(address, credentials) if credentials is not None \
             else self.server.add_insecure_port(address)
