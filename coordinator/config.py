@@ -15,11 +15,9 @@ from services.config import TLSOptions, tls_arguments
 from common.options import add_flag, add_options, env_name, option, values
 from common.tls import TLSFiles
 
-from coordinator.core.schedulers.registry import TREE_POLICIES, Speculation
-from coordinator.core.verify import VERIFIERS
-from coordinator.core.vocabulary import DraftKind, names
+from coordinator.core.schedulers.registry import Speculation
+from coordinator.core.vocabulary import DRAFTS, TREE_POLICIES, VERIFIERS
 
-DRAFTS = names(DraftKind)
 DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 

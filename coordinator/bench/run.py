@@ -21,7 +21,8 @@ from services.config import parse_stage_time
 from coordinator.bench.common import (OVERRUN, BenchConfig, Regime, Variant, generate_one, load_prompts,
                                       machine_cores, summarize)
 from coordinator.bench.load import level_name, ratios, run_levels
-from coordinator.config import DRAFTS, CoordinatorConfig
+from coordinator.config import CoordinatorConfig
+from coordinator.core.vocabulary import DRAFTS
 from coordinator.engine.local import LocalStages
 from coordinator.core.schedulers.registry import Speculation
 from coordinator.frontends.service import Coordinator

@@ -45,9 +45,8 @@ import torch
 
 from coordinator.core.proposals import ProposalRows
 from coordinator.core.tree_columns import NO_TOKEN, NodeArrays, NodeTable, NodeView
-from coordinator.core.vocabulary import TreePolicy, names
+from coordinator.core.vocabulary import TREE_POLICIES
 
-POLICIES = names(TreePolicy)
 
 
 @dataclass
@@ -242,7 +241,7 @@ class TokenTree:
             return self.select_ahead(width, max_depth)
         if policy == "hybrid":
             return self.select_ahead(width, max_depth, spine_lead=horizon)
-        raise ValueError(f"unknown tree policy {policy!r}; choose from {', '.join(POLICIES)}")
+        raise ValueError(f"unknown tree policy {policy!r}; choose from {', '.join(TREE_POLICIES)}")
 
     def select_ahead(self, width: int, max_depth: int | None = None, spine_lead: int = 0) -> list[int]:
         """Multi-layer growth (SpecPipe's micro-batches): up to `width` nodes, best-first by score over the

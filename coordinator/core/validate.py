@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from common.sampling import GREEDY, Sampling
 
-from coordinator.core.vocabulary import Method, names
+from coordinator.core.vocabulary import METHODS, Method
 
 # Below this, logits / temperature overflows float32 to inf and the warped distribution becomes NaN.
 MIN_TEMPERATURE = 1e-5
@@ -65,7 +65,7 @@ def check_prompt_size(prompt: str, token_ids_count: int, limits: Limits) -> None
 
 
 def check(prompt_ids: list[int], asked: Asked, limits: Limits, default_method: str = Method.SPECPIPE.value,
-          methods: tuple[str, ...] | list[str] = names(Method)) -> Params:
+          methods: tuple[str, ...] | list[str] = METHODS) -> Params:
     """Validate a request against what the wire and the model can carry; every refusal names the field.
     Sampling: temperature 0 is greedy; top_p 0 reads as 1 (unset); top_k at or above the vocabulary size is
     no limit (0); seed 0 means 'pick one' — the seed used is below 2**53 and reported in the stats, so the

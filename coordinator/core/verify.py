@@ -28,10 +28,6 @@ from __future__ import annotations
 
 import torch
 
-from coordinator.core.vocabulary import Verifier, names
-
-VERIFIERS = names(Verifier)
-
 
 def verify_children(p_logprobs: torch.Tensor, q_logprobs: torch.Tensor | None, children: list[int],
                     u: list[float]) -> tuple[int | None, int]:

@@ -43,3 +43,10 @@ class Verifier(str, enum.Enum):
 def names(kind: type[enum.Enum]) -> tuple[str, ...]:
     """The wire strings of a closed set, in declaration order."""
     return tuple(m.value for m in kind)
+
+
+# the wire strings of each set, for flags' choices and messages (the one place they are spelled)
+METHODS = names(Method)
+TREE_POLICIES = names(TreePolicy)
+DRAFTS = names(DraftKind)
+VERIFIERS = names(Verifier)

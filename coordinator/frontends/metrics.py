@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from coordinator.core.schedulers.registry import METHODS
+from coordinator.core.vocabulary import METHODS
 from coordinator.core.status import FinishReason, Status
 from coordinator.core.stats import RequestStats
 

@@ -18,11 +18,12 @@ from services.model.loader import resolve_model, stderr_log
 from coordinator.config import CoordinatorConfig
 from coordinator.core.admission import Admission, Overloaded
 from coordinator.core.drafts.factory import build_draft
-from coordinator.core.schedulers.registry import METHODS, SpecOptions
+from coordinator.core.schedulers.registry import SpecOptions
 from coordinator.core.stats import RequestStats
 from coordinator.core.status import FinishReason, Status
 from coordinator.core.text import PromptEncoder, TextStream
 from coordinator.core.validate import Asked, InvalidRequest, Limits, check, check_prompt_size
+from coordinator.core.vocabulary import METHODS
 from coordinator.engine.engine import Engine
 from coordinator.engine.live import Tokens
 from coordinator.engine.pipeline import Pipelines

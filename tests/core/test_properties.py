@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from coordinator.core.drafts.base import DraftSource
 from coordinator.core.schedulers.base import Broadcast, Emit, Request, RequestState
 from coordinator.core.schedulers.specpipe import SpecPipeScheduler
-from coordinator.core.tree import POLICIES, TokenTree
+from coordinator.core.tree import TokenTree
+from coordinator.core.vocabulary import TREE_POLICIES
 from helpers.fuzz_harness import check_invariants
 from helpers.ids import id_counter
 from common.batch import MicroBatch, Segment, StageTrace
@@ -177,7 +178,7 @@ def test_tree_commit_keeps_exactly_the_chosen_subtree_and_its_paths(data) -> Non
             tree.add_children(parent, data.draw(st.lists(st.tuples(st.integers(0, 5), st.floats(-4, 0)), max_size=3)))
         elif op == "select":
             tree.root_node.injected = True
-            chosen = tree.select(data.draw(st.sampled_from(POLICIES)), data.draw(st.integers(1, 4)))
+            chosen = tree.select(data.draw(st.sampled_from(TREE_POLICIES)), data.draw(st.integers(1, 4)))
             assert all(i in old and not old[i].injected and tree.nodes[i].injected for i in chosen)
         elif op == "commit":
             hits = [c for c in tree.root_node.children if tree.nodes[c].injected]
@@ -217,7 +218,7 @@ class NullDraft(DraftSource):
 @settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_greedy_verification_commits_the_longest_matching_path(data) -> None:
-    sched = SpecPipeScheduler(4, NullDraft(), width=4, policy=data.draw(st.sampled_from(POLICIES)))
+    sched = SpecPipeScheduler(4, NullDraft(), width=4, policy=data.draw(st.sampled_from(TREE_POLICIES)))
     state = RequestState(Request("r", [5, 6, 7], max_new_tokens=10_000))
     state.committed, state.next_node = [0, 1, 2], 3
     sched.requests["r"] = state

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.core.tree import POLICIES, TokenTree
+from coordinator.core.tree import TokenTree
+from coordinator.core.vocabulary import TREE_POLICIES
 from helpers.ids import id_counter
 
 
@@ -128,7 +129,7 @@ def test_max_depth_limits_both_policies():
 
 
 def test_select_dispatches_on_policy():
-    assert POLICIES == ("layer", "best-first", "hybrid")
+    assert TREE_POLICIES == ("layer", "best-first", "hybrid")
 
     def setup() -> TokenTree:
         t = make_tree()
@@ -249,7 +250,7 @@ def test_random_operations_keep_invariants(data):
         elif op == "select":
             if not t.root_node.injected:                          # the scheduler injects a bonus first
                 t.root_node.injected = True
-            policy = data.draw(st.sampled_from(POLICIES))
+            policy = data.draw(st.sampled_from(TREE_POLICIES))
             width = data.draw(st.integers(0, 4))
             max_depth = data.draw(st.none() | st.integers(t.root_node.depth, t.root_node.depth + 6))
             chosen = t.select(policy, width, max_depth)

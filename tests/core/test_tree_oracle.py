@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.core.proposals import ProposalRows
-from coordinator.core.tree import POLICIES, TokenTree
+from coordinator.core.tree import TokenTree
+from coordinator.core.vocabulary import TREE_POLICIES
 from helpers.ids import id_counter
 from helpers.reference_tree import TokenTree as ReferenceTree
 
@@ -55,7 +56,7 @@ def test_the_array_tree_matches_the_object_tree(data) -> None:
             got = t.to_expand(count, max_depth, skip, spine_lead=lead, injected_only=only).tolist()
             assert got == [n.id for n in ref.to_expand(count, max_depth, skip, spine_lead=lead, injected_only=only)]
         elif op == "select":
-            policy = data.draw(st.sampled_from(POLICIES + ("best-first-one-layer",)))
+            policy = data.draw(st.sampled_from(TREE_POLICIES + ("best-first-one-layer",)))
             width = data.draw(st.integers(0, 5))
             max_depth = data.draw(st.none() | st.integers(depth, depth + 8))
             if policy == "best-first-one-layer":

@@ -32,7 +32,7 @@ from coordinator.engine.loops.inprocess import InProcessPipeline  # noqa: E402
 from coordinator.engine.local import LocalStages  # noqa: E402
 from coordinator.core.schedulers.base import Request  # noqa: E402
 from coordinator.core.schedulers.pp import PPScheduler  # noqa: E402
-from coordinator.core.schedulers.registry import METHODS  # noqa: E402
+from coordinator.core.vocabulary import METHODS  # noqa: E402
 from coordinator.frontends.service import Coordinator, GenerateInput  # noqa: E402
 from services.config import parse_dtype  # noqa: E402
 from services.model.loader import resolve_model, stderr_log  # noqa: E402

@@ -9,9 +9,8 @@ from coordinator.core.drafts.base import DraftSource
 from coordinator.core.drafts.combined import CombinedDraft
 from coordinator.core.drafts.model import ModelDraft, check_same_tokenizer, quantized_copy
 from coordinator.core.drafts.ngram import NgramDraft
-from coordinator.core.vocabulary import DraftKind, names
+from coordinator.core.vocabulary import DRAFTS
 
-DRAFTS = names(DraftKind)
 
 
 def build_draft(kind: str, target: str, draft_model: str = "", device: str = "cpu",

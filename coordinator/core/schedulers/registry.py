@@ -12,11 +12,8 @@ from coordinator.core.schedulers.pp import PPScheduler
 from coordinator.core.schedulers.specpipe import SpecPipeScheduler
 from coordinator.core.schedulers.trip import make_pipeinfer, make_sps, make_tree
 from coordinator.core.sizing import Sizer, Sizing
-from coordinator.core.verify import VERIFIERS
-from coordinator.core.vocabulary import Method, TreePolicy, names
+from coordinator.core.vocabulary import METHODS, TREE_POLICIES, VERIFIERS
 
-METHODS = names(Method)
-TREE_POLICIES = names(TreePolicy)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -36,8 +36,9 @@ from coordinator.core.schedulers.batching import BatchingScheduler
 from coordinator.core.proposals import ProposalRows
 from coordinator.core.sizing import Sizer
 from coordinator.core.stats import SpecCounters
-from coordinator.core.tree import POLICIES, TokenTree
-from coordinator.core.verify import VERIFIERS, verify_children
+from coordinator.core.tree import TokenTree
+from coordinator.core.vocabulary import TREE_POLICIES, VERIFIERS
+from coordinator.core.verify import verify_children
 
 
 class SpecPipeScheduler(BatchingScheduler):
@@ -52,8 +53,8 @@ class SpecPipeScheduler(BatchingScheduler):
         super().__init__(num_stages, node_budget, prefill_chunk)
         if width < 1 or topk < 1 or rounds < 1:
             raise ValueError("width, topk and rounds must be at least 1")
-        if policy not in POLICIES:
-            raise ValueError(f"unknown tree policy {policy!r}; choose from {', '.join(POLICIES)}")
+        if policy not in TREE_POLICIES:
+            raise ValueError(f"unknown tree policy {policy!r}; choose from {', '.join(TREE_POLICIES)}")
         if verify not in VERIFIERS:
             raise ValueError(f"unknown verifier {verify!r}; choose from {', '.join(VERIFIERS)}")
         self.verify = verify

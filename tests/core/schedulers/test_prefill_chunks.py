@@ -7,7 +7,8 @@ import pytest
 from common.batch import MicroBatch
 
 from coordinator.core.schedulers.base import Request
-from coordinator.core.schedulers.registry import METHODS, SpecOptions, make_scheduler
+from coordinator.core.schedulers.registry import SpecOptions, make_scheduler
+from coordinator.core.vocabulary import METHODS
 from coordinator.engine.loops.inprocess import InProcessPipeline
 from helpers.drafts import make_draft
 from helpers.leftovers import assert_nothing_left

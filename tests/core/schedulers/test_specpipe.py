@@ -8,7 +8,7 @@ from coordinator.core.drafts.model import check_same_tokenizer
 from coordinator.core.drafts.ngram import NgramDraft
 from coordinator.core.schedulers.base import Request
 from coordinator.core.schedulers.specpipe import SpecPipeScheduler
-from coordinator.core.tree import POLICIES
+from coordinator.core.vocabulary import TREE_POLICIES
 from coordinator.engine.loops.inprocess import InProcessPipeline
 from helpers.drafts import always_right, make_draft
 from helpers.reference import hf_greedy, prompts
@@ -26,7 +26,7 @@ def test_specpipe_matches_transformers(tiny_model8, tiny_hf8, tiny_draft_model, 
     runners = make_runners(tiny_model8, num_stages, layers=8)
     ps = prompts(3, seed=num_stages)
     # every policy meets every depth and every draft source across the matrix
-    policy = POLICIES[(STAGES.index(num_stages) + DRAFTS.index(draft)) % len(POLICIES)]
+    policy = TREE_POLICIES[(STAGES.index(num_stages) + DRAFTS.index(draft)) % len(TREE_POLICIES)]
     sched = SpecPipeScheduler(num_stages, make_draft(draft, tiny_model8, tiny_draft_model), width=4,
                               policy=policy)
     out = InProcessPipeline(runners).run(sched, [Request(f"r{i}", p, NEW) for i, p in enumerate(ps)])
