@@ -6,8 +6,8 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PROMPT  ?= Explain in two sentences why pipelines of GPUs sit idle during decoding.
 STAGES  ?= 4
-# WORKERS: pytest-xdist processes for make test / test-fast (CI has 2 cores; tests that share fixed ports run
-# in one of them: --dist loadgroup)
+# WORKERS: pytest-xdist processes for make test / test-fast (CI has 2 cores). --dist loadfile: a test module
+# runs in one worker (its module fixtures start once; the README harness's tests share fixed ports)
 WORKERS ?= 2
 # TORCH_INDEX: where torch 2.13.0 comes from (empty: the configured index; the CPU image sets
 # https://download.pytorch.org/whl/cpu, the CUDA image leaves PyPI's CUDA build)
@@ -39,7 +39,7 @@ run: install
 
 # Every tier (what CI runs).
 test: install
-	$(BIN)/python -m pytest -q -ra -n $(WORKERS) --dist loadgroup -m "not timing"
+	$(BIN)/python -m pytest -q -ra -n $(WORKERS) --dist loadfile -m "not timing"
 
 # Benchmark-style checks with generous bounds on wall-clock pace (a /tokenize flood beside a stream): run alone.
 test-timing: install
@@ -49,7 +49,7 @@ test-timing: install
 # marked slow (the real default model, minute-long runs, the wide cases of the test matrices) nor those marked
 # grpc (real servers and stage processes) unless marked smoke (tests/helpers/tiers.py).
 test-fast: install
-	$(BIN)/python -m pytest -q -ra -n $(WORKERS) --dist loadgroup -m "not slow and not timing and (not grpc or smoke)"
+	$(BIN)/python -m pytest -q -ra -n $(WORKERS) --dist loadfile -m "not slow and not timing and (not grpc or smoke)"
 
 # On a CUDA machine: shard equivalence in bf16 against transformers, every method over 1, 2, 4 stage processes,
 # a short bench with real GPU stage time; one summary (out/gpu-check/gpu_check.json).

@@ -36,10 +36,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "helm" / "README.md"]
 VENV_BIN = ROOT / ".venv" / "bin"
 PYTHON = str(VENV_BIN / "python")
-# one worker runs them all (pytest-xdist, --dist loadgroup): they share the README's fixed ports
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("readme-ports"),
-              pytest.mark.skipif(not (VENV_BIN / "specpipe").exists(),
-                                 reason="the README runs .venv/bin/...: needs `make install`")]
+# they share the README's fixed ports: under pytest-xdist one worker runs this module (make test: --dist loadfile)
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (VENV_BIN / "specpipe").exists(),
+                                                   reason="the README runs .venv/bin/...: needs `make install`")]
 KINDS = ("local", "standalone")
 GRPC_PORT, HTTP_PORT, METRICS_PORT, SHARED_STAGES = 50051, 8000, 9160, 2
 PORTS = (GRPC_PORT, HTTP_PORT, METRICS_PORT, *(METRICS_PORT + 1 + i for i in range(SHARED_STAGES)))
