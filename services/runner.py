@@ -68,7 +68,7 @@ class StageRunner:
         keep_rows: list[int] = []
         plans: list[AttendPlan] = []
         offset = 0
-        repeated = {rid: n for rid, n in Counter(s.request_id for s in batch.segments).items() if n > 1}
+        repeated = {request_id: n for request_id, n in Counter(s.request_id for s in batch.segments).items() if n > 1}
         for seg in batch.segments:
             seg_offset, offset = offset, offset + seg.rows
             if seg.error:

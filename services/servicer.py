@@ -263,10 +263,10 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 kv_bytes=cache.nbytes(), next_hop=self._next_hop, batches=r.counters.batches,
                 rows_computed=r.counters.rows_computed, rows_dropped=r.counters.rows_dropped,
                 kv_limit_bytes=cache.limit_bytes, kv_bytes_per_slot=cache.geometry.bytes_per_slot)
-            for rid, kv in cache.requests.items():
-                if request.request_id and rid != request.request_id:
+            for request_id, kv in cache.requests.items():
+                if request.request_id and request_id != request.request_id:
                     continue
-                info.requests.add(request_id=rid, committed=kv.table.committed_count, live=kv.table.live_count,
+                info.requests.add(request_id=request_id, committed=kv.table.committed_count, live=kv.table.live_count,
                                   node_ids=sorted(kv.slot_of), tombstones=len(kv.table.tombstones),
                                   kv_bytes=kv.nbytes())
         return info

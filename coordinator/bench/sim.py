@@ -61,9 +61,9 @@ def run_simulated(cfg: BenchConfig, log=print) -> dict:
                 pipe = SimulatedPipeline([runner], stage_time, num_stages=num_stages, hop_ms=cfg.hop_ms,
                                          draft_time=draft_time, control_scale=cfg.control_scale,
                                          record=twin is not None)
-                rid = f"sim{next(ids)}"
+                request_id = f"sim{next(ids)}"
                 calls, drows = (draft.calls, draft.rows) if draft is not None else (0, 0)
-                o = pipe.run(sched, [Request(rid, prompt, cfg.max_new_tokens)], draft=draft)[rid]
+                o = pipe.run(sched, [Request(request_id, prompt, cfg.max_new_tokens)], draft=draft)[request_id]
                 stats = dict(o.stats.as_dict(), tbt_ms=o.tbt_ms, ttft_ms=o.ttft_ms, wall_ms=o.end_ms - o.start_ms,
                              draft_ms=pipe.draft_ms, control_ms=pipe.control_ms)   # charged on the simulated clock
                 meters[v].extend(pipe.steps)

@@ -56,11 +56,11 @@ class Admission:
     def reserved(self) -> int:
         return sum(self.active.values())
 
-    def offer(self, rid: str, need: int, client: str = "") -> bool:
+    def offer(self, request_id: str, need: int, client: str = "") -> bool:
         """True: run now. False: queued. Raises Overloaded when the queue is full, it can never fit, or its
         client already has `max_per_client` requests running or queued (`client` "": not counted)."""
-        if rid in self.active or rid in self.queue:
-            raise ValueError(f"request id {rid} is already admitted")
+        if request_id in self.active or request_id in self.queue:
+            raise ValueError(f"request id {request_id} is already admitted")
         if client and self.max_per_client:
             held = sum(1 for c in self.client_of.values() if c == client)
             if held >= self.max_per_client:
@@ -71,21 +71,21 @@ class Admission:
                              f"speculation headroom), more than the {self.kv_slots} a stage holds; "
                              "ask for fewer tokens", retryable=False)
         if not self.queue and self._fits(need):
-            self.active[rid] = need
+            self.active[request_id] = need
         elif len(self.queue) >= self.max_queue:
             raise Overloaded(f"server busy: {len(self.active)} requests running and {len(self.queue)} waiting "
                              f"(limits {self.max_active} and {self.max_queue}); retry later")
         else:
-            self.queue[rid] = need
+            self.queue[request_id] = need
         if client:
-            self.client_of[rid] = client
-        return rid in self.active
+            self.client_of[request_id] = client
+        return request_id in self.active
 
-    def release(self, rid: str) -> list[str]:
+    def release(self, request_id: str) -> list[str]:
         """A request ended (or left the queue); returns the queued requests that may start now, in order."""
-        self.active.pop(rid, None)
-        self.queue.pop(rid, None)
-        self.client_of.pop(rid, None)
+        self.active.pop(request_id, None)
+        self.queue.pop(request_id, None)
+        self.client_of.pop(request_id, None)
         started = []
         while self.queue:
             nxt, need = next(iter(self.queue.items()))

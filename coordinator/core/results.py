@@ -68,17 +68,18 @@ def check(sent: Sent, result: MicroBatch) -> str:
 def _rows_fault(want: SentSegment, node_ids: list[int], want_output: list[bool], lengths: tuple[int, ...]) -> str:
     """The rows of one segment: the same count in every field, each row one that was sent (in order) with the
     same want_output."""
-    rid = want.request_id
+    request_id = want.request_id
     if len(want_output) != len(node_ids) or any(n != len(node_ids) for n in lengths):
-        return f"the segment of request {rid!r} has fields of different lengths"
+        return f"the segment of request {request_id!r} has fields of different lengths"
     j = 0
     for node, wants in zip(node_ids, want_output):
         while j < len(want.node_ids) and want.node_ids[j] != node:
             j += 1
         if j == len(want.node_ids):
-            return f"node {node} of request {rid!r} came back but was not sent (or came back out of order)"
+            return f"node {node} of request {request_id!r} came back but was not sent (or came back out of order)"
         if want.want_output[j] != wants:
-            return f"node {node} of request {rid!r} came back with want_output {wants}, sent {want.want_output[j]}"
+            return (f"node {node} of request {request_id!r} came back with want_output {wants}, "
+                    f"sent {want.want_output[j]}")
         j += 1
     return ""
 

@@ -108,8 +108,8 @@ class Engine:
                                              name="engine-watchdog")
 
     async def close(self) -> None:
-        for rid, _ in self._requests.items():
-            self.cancel(rid)
+        for request_id, _ in self._requests.items():
+            self.cancel(request_id)
         await asyncio.gather(*self._background, return_exceptions=True)
         try:                                   # let the release broadcasts reach the stages
             await asyncio.wait_for(self._work.join(), timeout=5)
@@ -147,18 +147,18 @@ class Engine:
             raise Unavailable(self._why)
         method = method or self.default_method
         sched = self.scheduler(method, spec)
-        rid = request_id or uuid.uuid4().hex[:16]
-        if rid in self._requests:
-            raise ValueError(f"request id {rid} is already running")
-        request = Request(rid, list(prompt_ids), max_new_tokens, eos_ids, sampling)
+        request_id = request_id or uuid.uuid4().hex[:16]
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id} is already running")
+        request = Request(request_id, list(prompt_ids), max_new_tokens, eos_ids, sampling)
         need = kv_need(len(prompt_ids), max_new_tokens, sched.num_stages, sched.kv_rows_per_batch)
-        runs_now = self.admission.offer(rid, need, client)
-        live = LiveRequest(sched, asyncio.Queue(), time.perf_counter(), request, method, spec, rid)
+        runs_now = self.admission.offer(request_id, need, client)
+        live = LiveRequest(sched, asyncio.Queue(), time.perf_counter(), request, method, spec, request_id)
         self._requests.add(live)
         added = False
         try:
             if not runs_now:
-                await self._requests.queue(rid)
+                await self._requests.queue(request_id)
                 # a re-partition may have happened meanwhile: take the scheduler of the current pipeline
                 sched = live.scheduler = self.scheduler(method, spec)
             added = live.started = True
@@ -166,12 +166,12 @@ class Engine:
             await self._call(sched, sched.add, request)
         except BaseException as e:
             if added and isinstance(e, asyncio.CancelledError):
-                self._spawn(self._abandon(rid))     # the client left while it was being added
+                self._spawn(self._abandon(request_id))     # the client left while it was being added
             else:
-                self._requests.drop(rid)
-                self._release(rid)
+                self._requests.drop(request_id)
+                self._release(request_id)
             raise
-        return rid, live.events
+        return request_id, live.events
 
     def cancel(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
         """Stop a request (safe to call from anywhere on the loop, any number of times)."""
@@ -184,17 +184,17 @@ class Engine:
             return
         self._spawn(self._call(live.scheduler, live.scheduler.cancel, live.attempt_id, reason))
 
-    async def _abandon(self, rid: str) -> None:
+    async def _abandon(self, request_id: str) -> None:
         """A submit cancelled around `add`: cancel the request if the scheduler took it, else drop it."""
-        live = self._requests.get(rid)
+        live = self._requests.get(request_id)
         if live is None:
             return
         sched, attempt_id = live.scheduler, live.attempt_id
         if await self._call(sched, lambda: attempt_id in sched.requests):
             await self._call(sched, sched.cancel, attempt_id, FinishReason.CANCELLED)
         else:
-            self._requests.drop(rid)
-            self._release(rid)
+            self._requests.drop(request_id)
+            self._release(request_id)
 
     def _release(self, request_id: str) -> None:
         """The request no longer holds its admission; start the queued requests that fit now."""
@@ -365,17 +365,17 @@ class Engine:
         if self._state is EngineState.FAILED:
             return
         self._state, self._why = EngineState.FAILED, f"the pipeline failed: {error}"
-        for rid, live in self._requests.items():
-            live.events.put_nowait(Finish(rid, FinishReason.ERROR, RequestStats(), f"pipeline failure: {error}",
+        for request_id, live in self._requests.items():
+            live.events.put_nowait(Finish(request_id, FinishReason.ERROR, RequestStats(), f"pipeline failure: {error}",
                                           Status.UNAVAILABLE))
-            self.cancel(rid)
+            self.cancel(request_id)
 
     def fail_running(self, why: str) -> None:
         """The pipeline is not coming back soon (-> UNAVAILABLE): every request ends with UNAVAILABLE (what it
         streamed stays committed) and new ones are refused with `why`."""
         self._state, self._why = EngineState.UNAVAILABLE, why
-        for rid, live in self._requests.items():
-            if self._requests.refuse(rid, Unavailable(why), forget=True):
+        for request_id, live in self._requests.items():
+            if self._requests.refuse(request_id, Unavailable(why), forget=True):
                 continue
             if live.started:
                 sched = live.scheduler       # still current when a re-partition owns the pipeline
@@ -449,7 +449,8 @@ class Engine:
         try:
             await self._call(sched, sched.add, nxt)
         except ValueError as e:         # cannot happen for a request that ran; end it rather than hang
-            self._finish(Finish(live.attempt_id, FinishReason.ERROR, RequestStats(), f"cannot resume after a stage failure: {e}",
+            self._finish(Finish(live.attempt_id, FinishReason.ERROR, RequestStats(),
+                                f"cannot resume after a stage failure: {e}",
                                 Status.INTERNAL))
             return False
         return True

@@ -57,7 +57,7 @@ class LiveRequest:
     request: Request                    # as the client asked (its id is the client's)
     method: str
     spec: SpecOptions | None
-    attempt_id: str                        # the id the current scheduler and the stages know it by
+    attempt_id: str                     # the id the current scheduler and the stages know it by
     started: bool = False               # admitted (not queued)
     cancel_reason: FinishReason | None = None
     attempts: int = 0                   # re-runs after stage failures
@@ -124,11 +124,11 @@ class Requests:
     def __len__(self) -> int:
         return len(self._live)
 
-    def __contains__(self, rid: str) -> bool:
-        return rid in self._live
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._live
 
-    def get(self, rid: str) -> LiveRequest | None:
-        return self._live.get(rid)
+    def get(self, request_id: str) -> LiveRequest | None:
+        return self._live.get(request_id)
 
     def items(self) -> list[tuple[str, LiveRequest]]:
         """(client id, request), a copy: safe to change the table while going through it."""
@@ -137,9 +137,9 @@ class Requests:
     def add(self, live: LiveRequest) -> None:
         self._live[live.request.request_id] = live
 
-    def drop(self, rid: str) -> None:
-        self._live.pop(rid, None)
-        self._waiting.pop(rid, None)
+    def drop(self, request_id: str) -> None:
+        self._live.pop(request_id, None)
+        self._waiting.pop(request_id, None)
 
     def client(self, attempt_id: str) -> LiveRequest | None:
         """The request an attempt's attempt id belongs to (that attempt may be an earlier one)."""
@@ -151,25 +151,25 @@ class Requests:
         return live if live is not None and live.attempt_id == attempt_id else None
 
     # -- the admission queue ---------------------------------------------------------------------
-    def queue(self, rid: str) -> asyncio.Future[None]:
-        """`rid` waits for its turn: the future `start` sets (or `refuse` fails)."""
-        fut = self._waiting[rid] = asyncio.get_running_loop().create_future()
+    def queue(self, request_id: str) -> asyncio.Future[None]:
+        """`request_id` waits for its turn: the future `start` sets (or `refuse` fails)."""
+        fut = self._waiting[request_id] = asyncio.get_running_loop().create_future()
         return fut
 
-    def queued(self, rid: str) -> bool:
-        return rid in self._waiting
+    def queued(self, request_id: str) -> bool:
+        return request_id in self._waiting
 
-    def start(self, rids: list[str]) -> None:
+    def start(self, request_ids: list[str]) -> None:
         """These queued requests may run now."""
-        for rid in rids:
-            fut = self._waiting.pop(rid, None)
+        for request_id in request_ids:
+            fut = self._waiting.pop(request_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(None)
 
-    def refuse(self, rid: str, error: Exception, forget: bool = False) -> bool:
+    def refuse(self, request_id: str, error: Exception, forget: bool = False) -> bool:
         """Fail the wait of a queued request with `error` (forget: and stop tracking it); False when
-        `rid` is not queued."""
-        fut = self._waiting.pop(rid, None) if forget else self._waiting.get(rid)
+        `request_id` is not queued."""
+        fut = self._waiting.pop(request_id, None) if forget else self._waiting.get(request_id)
         if fut is None:
             return False
         if not fut.done():
@@ -177,14 +177,14 @@ class Requests:
         return True
 
     def refuse_all(self, error: Exception) -> None:
-        for rid in list(self._waiting):
-            self.refuse(rid, error)
+        for request_id in list(self._waiting):
+            self.refuse(request_id, error)
 
     def account(self, batch: MicroBatch, sent: float | None, now: float) -> None:
         """Round trip of a one-request micro-batch against the time stages spent on it: the rest is the
         coordinator, the transport and queueing."""
-        rids = {s.request_id for s in batch.segments}
-        live = self.client(next(iter(rids))) if len(rids) == 1 else None
+        request_ids = {s.request_id for s in batch.segments}
+        live = self.client(next(iter(request_ids))) if len(request_ids) == 1 else None
         if live is not None and sent is not None:
             live.account((now - sent) * 1e3, sum(t.compute_ms + t.wait_ms for t in batch.trace))
 
@@ -217,12 +217,12 @@ class Requests:
     def finish(self, action: Finish, now: float) -> Finish | None:
         """End the request whose current attempt `action` ends: it leaves the table and its client gets the
         Finish (returned) with the client's id and the whole request's stats. None for a stale attempt."""
-        rid = self._client_of.pop(action.request_id, action.request_id)
-        live = self._live.get(rid)
+        request_id = self._client_of.pop(action.request_id, action.request_id)
+        live = self._live.get(request_id)
         if live is None or live.attempt_id != action.request_id:
             return None
-        del self._live[rid]
-        done = replace(action, request_id=rid, stats=live.final_stats(action.stats, now))
+        del self._live[request_id]
+        done = replace(action, request_id=request_id, stats=live.final_stats(action.stats, now))
         live.events.put_nowait(done)
         return done
 
@@ -238,7 +238,8 @@ class Requests:
             return Finish(live.attempt_id, reason, RequestStats())
         live.fruitless = live.fruitless + 1 if len(done) == live.emitted_at_start else 0
         if live.fruitless >= MAX_FRUITLESS:
-            return Finish(live.attempt_id, FinishReason.ERROR, RequestStats(), f"the pipeline failed {live.fruitless} times in a "
+            return Finish(live.attempt_id, FinishReason.ERROR, RequestStats(),
+                          f"the pipeline failed {live.fruitless} times in a "
                           "row while this request made no progress; it is not run again (it may be what makes a "
                           "stage fail)", Status.INTERNAL)
         live.attempts += 1

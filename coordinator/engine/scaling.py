@@ -98,8 +98,8 @@ async def release(address: str, request_ids: list[str], tls: TLSFiles | None, ti
         return
     async with open_channel(address, tls) as channel:
         call = stage_pb2_grpc.StageStub(channel).Control(timeout=timeout_s, wait_for_ready=True)
-        for rid in request_ids:
-            await call.write(control_to_proto(Control(rid, release=True)))
+        for request_id in request_ids:
+            await call.write(control_to_proto(Control(request_id, release=True)))
         await call.done_writing()
         await call
 

@@ -159,14 +159,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
                         client: str) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        rid = uuid.uuid4().hex[:16]
-        structlog.contextvars.bind_contextvars(request_id=rid)     # this RPC's task only
+        request_id = uuid.uuid4().hex[:16]
+        structlog.contextvars.bind_contextvars(request_id=request_id)     # this RPC's task only
         inp = GenerateInput(
             prompt=request.prompt, prompt_token_ids=list(request.prompt_token_ids), raw=request.raw,
             max_new_tokens=request.max_new_tokens if request.HasField("max_new_tokens") else None,
             method=request.method, temperature=request.temperature, top_p=request.top_p or 1.0,
             top_k=request.top_k, seed=request.seed, stop=list(request.stop), ignore_eos=request.ignore_eos,
-            request_id=rid, client=client)
+            request_id=request_id, client=client)
         try:
             async with aclosing(self.coordinator.generate(inp)) as chunks:     # closed with this stream
                 async for chunk in chunks:

@@ -145,7 +145,7 @@ class RequestMetrics:
         self.record_outcome(reason)
         for phase, ms in stats.ttft_phases.items():
             TTFT_PHASE.labels(self.method, phase.value).observe(ms / 1e3)
-        if stats.batches:
+        if stats.batches and stats.control_ms > 0:          # 0: this driver does not measure it
             CONTROL_PER_STEP.labels(self.method).observe(stats.control_ms / stats.batches / 1e3)
         if stats.sized_width is not None:
             SIZED_WIDTH.labels(self.method).set(stats.sized_width)

@@ -181,7 +181,7 @@ class Coordinator:
             raise GenerationFailed(str(e), Status.RESOURCE_EXHAUSTED) from None
         eos = frozenset() if params.ignore_eos else self.eos_ids
         try:
-            rid, events = await self.engine.submit(params.prompt_ids, params.max_new_tokens, params.method, eos,
+            request_id, events = await self.engine.submit(params.prompt_ids, params.max_new_tokens, params.method, eos,
                                                    request_id=inp.request_id, spec=self._spec(inp),
                                                    sampling=params.sampling, client=inp.client)
         except ValueError as e:
@@ -200,10 +200,10 @@ class Coordinator:
                         continue
                     fed = text.feed(event.token_ids)
                     if fed.stopped:
-                        self.engine.cancel(rid, FinishReason.STOP)
+                        self.engine.cancel(request_id, FinishReason.STOP)
                     kept = event.token_ids[:fed.kept]     # ids after the one completing a stop string are no output
                     metrics.tokens(len(kept))
-                    yield Chunk(kept, fed.text, request_id=rid)
+                    yield Chunk(kept, fed.text, request_id=request_id)
                     continue
                 fin = event
                 done = True
@@ -215,15 +215,15 @@ class Coordinator:
                     stats.tokens = metrics.streamed
                 if not params.sampling.greedy:
                     stats.seed = params.sampling.seed
-                log.info("request finished", request_id=rid, method=params.method, reason=reason,
+                log.info("request finished", request_id=request_id, method=params.method, reason=reason,
                          tokens=stats.tokens, steps=stats.steps, tbt_ms=round(stats.tbt_ms, 2),
                          ttft_ms=round(stats.ttft_ms, 1))
                 metrics.finished(reason, stats)
-                yield Chunk([], text.flush(), reason, stats, request_id=rid)
+                yield Chunk([], text.flush(), reason, stats, request_id=request_id)
                 return
         finally:
             if not done:
-                self.engine.cancel(rid)
+                self.engine.cancel(request_id)
 
 
 async def _open(config: CoordinatorConfig, addresses: list[str]) -> GrpcPipeline:

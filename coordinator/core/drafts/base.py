@@ -4,15 +4,15 @@ A draft source keeps its own per-request state (for a model: a KV cache over the
 stages use) and follows the scheduler's commits and prunes, so it never recomputes the prefix.
 
 Contract, per request:
-    begin(rid, prompt, sampling, keep_q)   the prompt is committed as nodes 0..n-1; proposals follow the
+    begin(request_id, prompt, sampling, keep_q)   the prompt is committed as nodes 0..n-1; proposals follow the
                                            request's sampling (below); keep_q: remember each expanded
                                            node's warped distribution for `take_q`
-    expand(rid, nodes, k) -> proposals     for each node (its parent already expanded, or earlier in
+    expand(request_id, nodes, k) -> proposals     for each node (its parent already expanded, or earlier in
                                            `nodes`), up to k (token, log-prob) children, best first
-    expand_many([(rid, nodes), ...], k)    the same for several requests at once (one model call where
+    expand_many([(request_id, nodes), ...], k)    the same for several requests at once (one model call where
                                            the source can batch); a failed request's entry is the exception
-    commit(rid, ids, tokens) / prune(rid, ids)   mirror the tree (prune takes subtrees)
-    release(rid)                           forget the request
+    commit(request_id, ids, tokens) / prune(request_id, ids)   mirror the tree (prune takes subtrees)
+    release(request_id)                           forget the request
 
 Proposals when sampling (common/sampling.py): the children are the top k of the warped draft log-probs
 plus Gumbel noise — the target's own noise at that position for `match` verification (so the first child
@@ -63,9 +63,9 @@ class DraftSource(ABC):
         """`begin` for several requests (request id, prompt ids, sampling, keep_q); a model draft prefills
         them all in one call. Each request's failure is its own (None: begun)."""
         out: list[Exception | None] = []
-        for rid, prompt, sampling, keep_q in jobs:
+        for request_id, prompt, sampling, keep_q in jobs:
             try:
-                self.begin(rid, prompt, sampling, keep_q)
+                self.begin(request_id, prompt, sampling, keep_q)
                 out.append(None)
             except Exception as e:
                 out.append(e)
@@ -76,9 +76,9 @@ class DraftSource(ABC):
 
     def expand_many(self, jobs: list[tuple[str, list[DraftNode]]], k: int) -> list[Proposals | Exception]:
         out: list[Proposals | Exception] = []
-        for rid, nodes in jobs:
+        for request_id, nodes in jobs:
             try:
-                out.append(self.expand(rid, nodes, k))
+                out.append(self.expand(request_id, nodes, k))
             except Exception as e:      # one request's failure is its own
                 out.append(e)
         return out

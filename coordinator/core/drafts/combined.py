@@ -73,11 +73,11 @@ class CombinedDraft(DraftSource):
 
     def begin_many(self, jobs: list[tuple[str, list[int], Sampling, bool]]) -> list[Exception | None]:
         out = self.model.begin_many(jobs)
-        for (rid, prompt_ids, sampling, keep_q), error in zip(jobs, out):
-            self.merged.discard(rid)
+        for (request_id, prompt_ids, sampling, keep_q), error in zip(jobs, out):
+            self.merged.discard(request_id)
             if error is None and not keep_q:
-                self.ngram.begin(rid, prompt_ids, sampling, keep_q)
-                self.merged.add(rid)
+                self.ngram.begin(request_id, prompt_ids, sampling, keep_q)
+                self.merged.add(request_id)
         return out
 
     def expand(self, request_id: str, nodes: list[DraftNode], k: int) -> Proposals:
@@ -90,11 +90,11 @@ class CombinedDraft(DraftSource):
         """The n-gram's proposals first (cheap), then one model call that also scores them."""
         failed: dict[int, Exception] = {}
         extra: list[list[list[int]]] = []
-        for j, (rid, nodes) in enumerate(jobs):
+        for j, (request_id, nodes) in enumerate(jobs):
             tokens: list[list[int]] = [[] for _ in nodes]
-            if rid in self.merged and nodes and self.max_extra:
+            if request_id in self.merged and nodes and self.max_extra:
                 try:
-                    tokens = [[t for t, _ in props] for props in self.ngram.expand(rid, nodes, self.max_extra)]
+                    tokens = [[t for t, _ in props] for props in self.ngram.expand(request_id, nodes, self.max_extra)]
                 except Exception as e:         # one request's failure is its own
                     failed[j] = e
             extra.append(tokens)

@@ -47,7 +47,8 @@ class DraftOp:
 @dataclass
 class DraftJob:
     ops: list[DraftOp] = field(default_factory=list)
-    begin: list[tuple[str, list[int], Sampling, bool]] = field(default_factory=list)  # (rid, prompt, sampling, q)
+    # (request_id, prompt, sampling, q)
+    begin: list[tuple[str, list[int], Sampling, bool]] = field(default_factory=list)
     expand: list[tuple[str, list[DraftNode]]] = field(default_factory=list)
     topk: int = 1
     keep_q: set[str] = field(default_factory=set)     # requests whose expanded nodes' q is taken (rejection)
@@ -56,7 +57,7 @@ class DraftJob:
 
     @property
     def requests(self) -> set[str]:
-        return {rid for rid, *_ in self.begin} | {rid for rid, _ in self.expand}
+        return {request_id for request_id, *_ in self.begin} | {request_id for request_id, _ in self.expand}
 
     def run(self, draft: DraftSource) -> "DraftResults":
         """Prefill, apply the bookkeeping (a request's commits may precede its prefill: they were queued
@@ -68,7 +69,7 @@ class DraftJob:
                 errors = draft.begin_many(self.begin)
             except Exception as e:           # the call failed as a whole: every request in it
                 errors = [e] * len(self.begin)
-            out.errors.update({rid: e for (rid, *_), e in zip(self.begin, errors) if e is not None})
+            out.errors.update({request_id: e for (request_id, *_), e in zip(self.begin, errors) if e is not None})
         started = time.perf_counter()
         for op in self.ops:
             if op.request_id in out.errors:
@@ -83,19 +84,19 @@ class DraftJob:
             except Exception as e:           # a request's bookkeeping failing is that request's failure
                 out.errors[op.request_id] = e
         out.bookkeeping_ms = (time.perf_counter() - started) * 1e3
-        expand = [(rid, nodes) for rid, nodes in self.expand if rid not in out.errors]
+        expand = [(request_id, nodes) for request_id, nodes in self.expand if request_id not in out.errors]
         if expand:
             try:
                 results: list[Proposals | Exception] = draft.expand_many(expand, self.topk)
             except Exception as e:
                 results = [e] * len(expand)
-            for (rid, nodes), got in zip(expand, results):
+            for (request_id, nodes), got in zip(expand, results):
                 if isinstance(got, Exception):
-                    out.errors[rid] = got
+                    out.errors[request_id] = got
                     continue
-                out.proposals[rid] = got
-                if rid in self.keep_q:
-                    out.q[rid] = {n.node_id: draft.take_q(rid, n.node_id) for n in nodes}
+                out.proposals[request_id] = got
+                if request_id in self.keep_q:
+                    out.q[request_id] = {n.node_id: draft.take_q(request_id, n.node_id) for n in nodes}
         out.compute_ms = (draft.compute_s - before) * 1e3
         return out
 

@@ -49,13 +49,13 @@ class ModelDraft(DraftSource):
             prefill_chunk 6, prompts a: 9 ids (8 rows), b: 3 ids (2 rows) -> calls [a 0:6], [b 0:2, a 6:8]
         """
         pieces: list[list[tuple[str, int, int, list[int]]]] = []    # level k: every request's k-th chunk
-        for rid, prompt_ids, sampling, keep_q in jobs:
-            self.sampling[rid] = (sampling, keep_q)
-            self.runner.apply(Control(rid, commit=list(range(len(prompt_ids)))))
+        for request_id, prompt_ids, sampling, keep_q in jobs:
+            self.sampling[request_id] = (sampling, keep_q)
+            self.runner.apply(Control(request_id, commit=list(range(len(prompt_ids)))))
             for k, a in enumerate(range(0, len(prompt_ids) - 1, self.prefill_chunk)):
                 if k == len(pieces):
                     pieces.append([])
-                pieces[k].append((rid, a, min(a + self.prefill_chunk, len(prompt_ids) - 1), prompt_ids))
+                pieces[k].append((request_id, a, min(a + self.prefill_chunk, len(prompt_ids) - 1), prompt_ids))
         failed: dict[str, Exception] = {}
         call: list[Segment] = []
 
@@ -69,19 +69,19 @@ class ModelDraft(DraftSource):
                                for s in out.segments if s.error})
             call.clear()
         for level in pieces:
-            for rid, a, b, prompt_ids in level:
-                if rid in failed:
+            for request_id, a, b, prompt_ids in level:
+                if request_id in failed:
                     continue
                 if call and (sum(s.rows for s in call) + b - a > self.prefill_chunk
-                             or any(s.request_id == rid for s in call)):
+                             or any(s.request_id == request_id for s in call)):
                     run()
-                    if rid in failed:
+                    if request_id in failed:
                         continue
-                call.append(Segment(rid, list(range(a, b)), [i - 1 for i in range(a, b)], list(range(a, b)),
+                call.append(Segment(request_id, list(range(a, b)), [i - 1 for i in range(a, b)], list(range(a, b)),
                                     prompt_ids[a:b], [False] * (b - a)))
         if call:
             run()
-        return [failed.get(rid) for rid, *_ in jobs]
+        return [failed.get(request_id) for request_id, *_ in jobs]
 
     def expand(self, request_id: str, nodes: list[DraftNode], k: int) -> Proposals:
         result = self.expand_many([(request_id, nodes)], k)[0]
@@ -98,11 +98,11 @@ class ModelDraft(DraftSource):
         rows; each one not among the node's k children and inside the draft's support is appended after
         them as (token, the draft's log-prob of it: the warped one when sampling), in the given order. The
         appended part is not sorted into the children: the caller merges."""
-        wanted = {rid: {n.node_id: toks for n, toks in zip(nodes, ex)}
-                  for (rid, nodes), ex in zip(jobs, extra)} if extra is not None else {}
-        segments = [Segment(rid, [n.node_id for n in nodes], [n.parent_id for n in nodes],
+        wanted = {request_id: {n.node_id: toks for n, toks in zip(nodes, ex)}
+                  for (request_id, nodes), ex in zip(jobs, extra)} if extra is not None else {}
+        segments = [Segment(request_id, [n.node_id for n in nodes], [n.parent_id for n in nodes],
                             [n.position for n in nodes], [n.token for n in nodes], [True] * len(nodes))
-                    for rid, nodes in jobs if nodes]
+                    for request_id, nodes in jobs if nodes]
         if not segments:
             return [ProposalRows.of([[] for _ in nodes]) for _, nodes in jobs]
         out = self._step(segments, want=True)
@@ -121,8 +121,8 @@ class ModelDraft(DraftSource):
             by_request[seg.request_id] = (seg.node_ids, props)
         self.compute_s += time.perf_counter() - started
         results: list[Proposals | Exception] = []
-        for rid, nodes in jobs:
-            got = by_request.get(rid, ([], ProposalRows.of([])))
+        for request_id, nodes in jobs:
+            got = by_request.get(request_id, ([], ProposalRows.of([])))
             if isinstance(got, Exception):
                 results.append(got)
                 continue

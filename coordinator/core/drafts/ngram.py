@@ -20,8 +20,8 @@ class NgramDraft(DraftSource):
     def __init__(self, max_n: int = 3, window: int = 4096) -> None:
         super().__init__()
         self.max_n, self.window = max_n, window
-        self.tokens: dict[str, dict[int, tuple[int, int]]] = {}   # rid -> node -> (parent, token)
-        self.committed: dict[str, list[int]] = {}                 # rid -> committed tokens
+        self.tokens: dict[str, dict[int, tuple[int, int]]] = {}   # request_id -> node -> (parent, token)
+        self.committed: dict[str, list[int]] = {}                 # request_id -> committed tokens
         self.committed_ids: dict[str, set[int]] = {}
 
     def begin(self, request_id: str, prompt_ids: list[int], sampling: Sampling = GREEDY,

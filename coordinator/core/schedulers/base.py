@@ -155,8 +155,8 @@ class Scheduler(ABC):
         self._result_batch = batch.batch_id
         self._clock = max(self._clock, inject_step + self.num_stages)
         share = 1 / len(request_ids) if request_ids else 0.0
-        for rid in request_ids:
-            state = self.requests.get(rid)
+        for request_id in request_ids:
+            state = self.requests.get(request_id)
             if state is not None:
                 state.in_flight -= 1
                 state.last_step = self._clock
@@ -242,13 +242,13 @@ class Scheduler(ABC):
         self._next_batch += 1
         step = max(self._clock, self._last_inject + 1)
         self._last_inject = step
-        rids = [s.request_id for s in segments]
+        request_ids = [s.request_id for s in segments]
         for seg in segments:
             seg.sampling = self.requests[seg.request_id].request.sampling
         batch = MicroBatch(batch_id, segments, return_logprobs=return_logprobs)
-        self._batches[batch_id] = (step, rids, Sent.of(batch))
-        for rid in rids:
-            state = self.requests[rid]
+        self._batches[batch_id] = (step, request_ids, Sent.of(batch))
+        for request_id in request_ids:
+            state = self.requests[request_id]
             state.in_flight += 1
             if state.first_step is None:
                 state.first_step = step
@@ -296,10 +296,10 @@ class Scheduler(ABC):
         return Segment(state.request.request_id, [node], [parent], [position], [token], [True])
 
     def _finish(self, state: RequestState, reason: str, error: str = "", error_code: int = 0) -> None:
-        rid = state.request.request_id
-        del self.requests[rid]
-        self._broadcast(Control(rid, release=True))
-        self._actions.append(Finish(rid, reason, self.stats(state), error, error_code))
+        request_id = state.request.request_id
+        del self.requests[request_id]
+        self._broadcast(Control(request_id, release=True))
+        self._actions.append(Finish(request_id, reason, self.stats(state), error, error_code))
 
     def stats(self, state: RequestState) -> RequestStats:
         """The request's stats as it ends: its counters, with its steps and tokens."""

@@ -147,11 +147,11 @@ class BatchingScheduler(Scheduler):
 
     # -- scheduler hooks ----------------------------------------------------------------------------
     def _start(self, state: RequestState) -> None:
-        rid, prompt = state.request.request_id, state.request.prompt_ids
+        request_id, prompt = state.request.request_id, state.request.prompt_ids
         nodes = [state.new_node() for _ in prompt]
         state.committed.extend(nodes)
-        self._broadcast(Control(rid, commit=nodes))
-        self.prefill_next[rid] = 0
+        self._broadcast(Control(request_id, commit=nodes))
+        self.prefill_next[request_id] = 0
         self._admitted(state)
         if self._watching:            # a request followed the last finish
             self.follow.observe(True)
@@ -204,23 +204,23 @@ class BatchingScheduler(Scheduler):
         """
         segments: list[Segment] = []
         left = self.prefill_chunk
-        for rid, start in list(self.prefill_next.items()):
+        for request_id, start in list(self.prefill_next.items()):
             if left <= 0:
                 break
             if start == 0:
-                segments.append(self._prefill_chunk(self.requests[rid], left))
+                segments.append(self._prefill_chunk(self.requests[request_id], left))
                 left -= segments[-1].rows
         if segments:
             self._overtaker = self._inject(segments)
 
     def _gather(self) -> list[Segment]:
-        rids = list(self.requests)
-        if rids:
-            k = self._turn % len(rids)
-            rids = rids[k:] + rids[:k]
+        request_ids = list(self.requests)
+        if request_ids:
+            k = self._turn % len(request_ids)
+            request_ids = request_ids[k:] + request_ids[:k]
             self._turn += 1
         prefilling = [r for r in self.requests if r in self.prefill_next]      # oldest first
-        running = [r for r in rids if r not in self.prefill_next and self._ready(self.requests[r])]
+        running = [r for r in request_ids if r not in self.prefill_next and self._ready(self.requests[r])]
         running.sort(key=lambda r: -self._row_value(self.requests[r]))      # stable: round-robin among equals
         if not prefilling and not running:
             return []
@@ -231,31 +231,31 @@ class BatchingScheduler(Scheduler):
         decode_left = share if solo else self._decode_cap()
         if prefilling:                           # a prompt goes in: this micro-batch stays small
             share = min(share, self._share_beside_prompts())
-        for rid in running:
+        for request_id in running:
             if left <= 0 or decode_left <= 0:
                 break
-            seg = self._next_rows(self.requests[rid], min(share, left, decode_left))
+            seg = self._next_rows(self.requests[request_id], min(share, left, decode_left))
             if seg is not None and seg.rows:
                 segments.append(seg)
                 left -= seg.rows
                 decode_left -= seg.rows
         prefill_left = self.prefill_chunk            # prompts have their own budget beside the decode rows
-        for rid in prefilling:
+        for request_id in prefilling:
             if prefill_left <= 0:
                 break
-            segments.append(self._prefill_chunk(self.requests[rid], prefill_left))
+            segments.append(self._prefill_chunk(self.requests[request_id], prefill_left))
             prefill_left -= segments[-1].rows
         return segments
 
     def _prefill_chunk(self, state: RequestState, rows: int) -> Segment:
-        rid, prompt = state.request.request_id, state.request.prompt_ids
-        start = self.prefill_next[rid]
+        request_id, prompt = state.request.request_id, state.request.prompt_ids
+        start = self.prefill_next[request_id]
         end = min(len(prompt), start + rows)
         nodes = state.committed[start:end]
         parents = [state.committed[i - 1] if i else -1 for i in range(start, end)]
         want = [i == len(prompt) - 1 for i in range(start, end)]
         if end == len(prompt):
-            del self.prefill_next[rid]
+            del self.prefill_next[request_id]
         else:
-            self.prefill_next[rid] = end
-        return Segment(rid, nodes, parents, list(range(start, end)), list(prompt[start:end]), want)
+            self.prefill_next[request_id] = end
+        return Segment(request_id, nodes, parents, list(range(start, end)), list(prompt[start:end]), want)

@@ -25,13 +25,13 @@ class PPScheduler(Scheduler):
         prompt = state.request.prompt_ids
         nodes = [state.new_node() for _ in prompt]
         state.committed.extend(nodes)
-        rid = state.request.request_id
-        self._broadcast(Control(rid, commit=nodes))
+        request_id = state.request.request_id
+        self._broadcast(Control(request_id, commit=nodes))
         n = len(prompt)
         parents = [-1] + nodes[:-1]
         for a in range(0, n, self.prefill_chunk):
             b = min(n, a + self.prefill_chunk)
-            self._inject([Segment(rid, nodes[a:b], parents[a:b], list(range(a, b)), list(prompt[a:b]),
+            self._inject([Segment(request_id, nodes[a:b], parents[a:b], list(range(a, b)), list(prompt[a:b]),
                                   [i == n - 1 for i in range(a, b)])])
 
     def _on_segment(self, state: RequestState, seg: Segment, outputs: list[int], logprobs=None) -> None:

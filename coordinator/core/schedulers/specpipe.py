@@ -84,14 +84,14 @@ class SpecPipeScheduler(BatchingScheduler):
 
     # -- scheduler hooks ----------------------------------------------------------------------------
     def _admitted(self, state: RequestState) -> None:
-        rid, prompt = state.request.request_id, state.request.prompt_ids
+        request_id, prompt = state.request.request_id, state.request.prompt_ids
         state.stats.spec = SpecCounters()   # its speculation counters are there from the start (zero)
         root = state.committed[-1]
-        self.trees[rid] = TokenTree(root, prompt[-1], len(prompt) - 1, state.new_node)
+        self.trees[request_id] = TokenTree(root, prompt[-1], len(prompt) - 1, state.new_node)
         if self.sizer is not None and not self.sizer.choice.speculates:
-            self.plain.add(rid)             # plain pipelining: the draft never sees it
+            self.plain.add(request_id)             # plain pipelining: the draft never sees it
         else:
-            self.pending[rid] = self.rounds     # the draft prefills and expands the root in its next job
+            self.pending[request_id] = self.rounds     # the draft prefills and expands the root in its next job
 
     def _ready(self, state: RequestState) -> bool:
         """Room in the pipeline; not a bonus whose children the draft has not proposed yet; and a draft round
@@ -99,12 +99,12 @@ class SpecPipeScheduler(BatchingScheduler):
         come back). Beside the coordinator a round starts right after an injection, so a result finds the
         request ready and the next growth takes what has been proposed so far; in line (the in-process
         drivers) the round has run by then."""
-        rid = state.request.request_id
-        if rid in self.plain:               # one micro-batch at a time, as `pp`
+        request_id = state.request.request_id
+        if request_id in self.plain:               # one micro-batch at a time, as `pp`
             return state.in_flight == 0
-        root = self.trees[rid].root_node
+        root = self.trees[request_id].root_node
         cold = self.policy != "layer" and not root.injected and not root.expanded   # a bonus waits for its children
-        return self.pending.get(rid, 0) < self.rounds and not cold and state.in_flight < self.num_stages
+        return self.pending.get(request_id, 0) < self.rounds and not cold and state.in_flight < self.num_stages
 
     def _share_beside_prompts(self) -> int:
         return 1          # speculation gives way for the one step a prompt travels with it
@@ -131,15 +131,15 @@ class SpecPipeScheduler(BatchingScheduler):
     def _next_rows(self, state: RequestState, share: int) -> Segment | None:
         """The tree's next growth, at most min(width, share) nodes (`layer`: a bonus alone); the draft then
         runs ahead in its jobs."""
-        rid = state.request.request_id
-        tree = self.trees[rid]
+        request_id = state.request.request_id
+        tree = self.trees[request_id]
         root = tree.root_node
-        if rid in self.plain:               # the root alone (the last committed token), once
+        if request_id in self.plain:               # the root alone (the last committed token), once
             if root.injected:
                 return None
             root.injected = True
             parents, positions, tokens = tree.segment_rows([tree.root], state.root_parent)
-            return Segment(rid, [tree.root], parents, positions, tokens, [True])
+            return Segment(request_id, [tree.root], parents, positions, tokens, [True])
         if self.policy == "layer" and not root.injected:
             root.injected = True
             chosen = [tree.root]
@@ -149,9 +149,9 @@ class SpecPipeScheduler(BatchingScheduler):
         if not chosen:
             return None
         state.spec.nodes_injected += len(chosen)
-        self.pending[rid] = self.rounds
+        self.pending[request_id] = self.rounds
         parents, positions, tokens = tree.segment_rows(chosen, state.root_parent)
-        return Segment(rid, chosen, parents, positions, tokens, [True] * len(chosen))
+        return Segment(request_id, chosen, parents, positions, tokens, [True] * len(chosen))
 
     def _on_segment(self, state: RequestState, seg: Segment, outputs: list[int], logprobs=None) -> None:
         tree = self.trees[state.request.request_id]
@@ -185,16 +185,16 @@ class SpecPipeScheduler(BatchingScheduler):
         return any(self._rejection(self.requests[s.request_id]) for s in segments)
 
     def _finish(self, state: RequestState, reason: str, error: str = "", error_code: int = 0) -> None:
-        rid = state.request.request_id
-        self.trees.pop(rid, None)
-        self.pending.pop(rid, None)
-        self.unseen.pop(rid, None)
-        self.miss_batch.pop(rid, None)
-        self.begun.discard(rid)           # the draft may hold it (begun) or have had a commit for it: release
+        request_id = state.request.request_id
+        self.trees.pop(request_id, None)
+        self.pending.pop(request_id, None)
+        self.unseen.pop(request_id, None)
+        self.miss_batch.pop(request_id, None)
+        self.begun.discard(request_id)           # the draft may hold it (begun) or have had a commit for it: release
         if self.sizer is not None:        # the cost rule's last choice for it (0: no speculation)
-            state.stats.sized_width = 0 if rid in self.plain else self.width
-        self.plain.discard(rid)
-        self.draft_ops.append(DraftOp(OpKind.RELEASE, rid))
+            state.stats.sized_width = 0 if request_id in self.plain else self.width
+        self.plain.discard(request_id)
+        self.draft_ops.append(DraftOp(OpKind.RELEASE, request_id))
         super()._finish(state, reason, error, error_code)
 
     # -- the cost rule (coordinator/core/sizing.py) ---------------------------------------------------
@@ -241,29 +241,29 @@ class SpecPipeScheduler(BatchingScheduler):
         round."""
         choice = self.sizer.choice
         if not choice.speculates:
-            for rid in self.trees:
-                if rid not in self.plain:
-                    self.plain.add(rid)
-                    self.pending.pop(rid, None)
+            for request_id in self.trees:
+                if request_id not in self.plain:
+                    self.plain.add(request_id)
+                    self.pending.pop(request_id, None)
             self._dispatch()              # a request waiting for its draft round goes in now, plain
             return
         self.width, self.topk = choice.width, choice.topk
         self.rounds = 1 if self.policy == "layer" else choice.rounds
-        for rid in self.pending:          # fewer rounds now: none is due beyond them
-            self.pending[rid] = min(self.pending[rid], self.rounds)
-        for rid in self.plain:
-            self.pending[rid] = self.rounds
-            if rid not in self.begun and self.requests[rid].generated:   # its commits, after its prefill
-                state = self.requests[rid]
+        for request_id in self.pending:          # fewer rounds now: none is due beyond them
+            self.pending[request_id] = min(self.pending[request_id], self.rounds)
+        for request_id in self.plain:
+            self.pending[request_id] = self.rounds
+            if request_id not in self.begun and self.requests[request_id].generated:   # its commits, after its prefill
+                state = self.requests[request_id]
                 nodes = state.committed[len(state.request.prompt_ids):]
-                self.draft_ops.append(DraftOp(OpKind.COMMIT, rid, tuple(nodes), tuple(state.generated)))
+                self.draft_ops.append(DraftOp(OpKind.COMMIT, request_id, tuple(nodes), tuple(state.generated)))
         self.plain.clear()
         self._dispatch()
 
     # -- verification -------------------------------------------------------------------------------
     def _verify(self, state: RequestState, tree: TokenTree) -> bool:
         """Commit as far as the known target tokens allow. Returns False when the request finished."""
-        rid = state.request.request_id
+        request_id = state.request.request_id
         rejection = self._rejection(state)
         while (target := tree.root_node.target_next) is not None:
             # by rejection where the root's distribution came back; a root injected while the request was plain
@@ -272,7 +272,7 @@ class SpecPipeScheduler(BatchingScheduler):
                 child, token = self._decide(state, tree)
             else:
                 child, token = tree.matching_child(tree.root, target), target
-            plain = rid in self.plain     # no speculation: the target's token is the next root, no miss
+            plain = request_id in self.plain     # no speculation: the target's token is the next root, no miss
             if self.sizer is not None and not plain:
                 self.sizer.observe_root(*tree.root_rank(token))
             if child is not None:
@@ -285,7 +285,7 @@ class SpecPipeScheduler(BatchingScheduler):
                     state.spec.plain_tokens += 1   # the target's token, with no speculation to check
                 else:
                     state.spec.misses += 1
-                    self.miss_batch[rid] = self._next_batch
+                    self.miss_batch[request_id] = self._next_batch
                     # (with rejection an injected child outside the verified prefix may carry the token: cold
                     # restart)
                     same = [c for c in root.children if tree.nodes[c].token == token]
@@ -299,15 +299,15 @@ class SpecPipeScheduler(BatchingScheduler):
                     node, pruned = proposed, tree.reroot(proposed)
                 else:
                     if not (root.expanded or root.asked):   # the bonus's parent reaches the draft before it
-                        self.unseen.setdefault(rid, []).append(DraftNode(root.id, state.root_parent, root.depth,
+                        self.unseen.setdefault(request_id, []).append(DraftNode(root.id, state.root_parent, root.depth,
                                                                          root.token))
                     node, pruned = tree.restart(token)
                 if self.policy != "layer" and not tree.root_node.expanded and not plain:
-                    self.pending[rid] = self.rounds           # the draft expands the new root before it goes in
-            if not plain or rid in self.begun:    # (a request the draft never held: told when it rejoins)
+                    self.pending[request_id] = self.rounds           # the draft expands the new root before it goes in
+            if not plain or request_id in self.begun:    # (a request the draft never held: told when it rejoins)
                 if pruned.expanded:
-                    self.draft_ops.append(DraftOp(OpKind.PRUNE, rid, tuple(pruned.expanded)))
-                self.draft_ops.append(DraftOp(OpKind.COMMIT, rid, (node,), (token,)))
+                    self.draft_ops.append(DraftOp(OpKind.PRUNE, request_id, tuple(pruned.expanded)))
+                self.draft_ops.append(DraftOp(OpKind.COMMIT, request_id, (node,), (token,)))
             if not self._commit(state, [node], [token], prune=pruned.injected):
                 return False
             if child is None:
@@ -348,41 +348,42 @@ class SpecPipeScheduler(BatchingScheduler):
         self.draft_ops = []
         width = min(self.width, self._share())
         lead = self.num_stages if self.policy == "hybrid" else 0
-        for rid in list(self.pending):
-            state = self.requests.get(rid)
+        for request_id in list(self.pending):
+            state = self.requests.get(request_id)
             if state is None:
-                del self.pending[rid]
+                del self.pending[request_id]
                 continue
-            self.pending[rid] -= 1
-            if self.pending[rid] <= 0:
-                del self.pending[rid]
-            if rid not in self.begun:             # the draft holds the request from this job on
-                self.begun.add(rid)
-                job.begin.append((rid, state.request.prompt_ids, state.request.sampling, self._rejection(state)))
-            tree = self.trees[rid]
+            self.pending[request_id] -= 1
+            if self.pending[request_id] <= 0:
+                del self.pending[request_id]
+            if request_id not in self.begun:             # the draft holds the request from this job on
+                self.begun.add(request_id)
+                job.begin.append((request_id, state.request.prompt_ids, state.request.sampling, self._rejection(state)))
+            tree = self.trees[request_id]
             limit = self._max_depth(state, tree)
             if self.policy == "layer":
                 nodes = tree.to_expand(len(tree.nodes), limit, state.request.eos_ids, injected_only=True)
             else:
                 nodes = tree.to_expand(width, limit, state.request.eos_ids, spine_lead=lead)
-            self._ask(job, rid, nodes.tolist())
+            self._ask(job, request_id, nodes.tolist())
         if job.ops or job.begin or job.expand:
             return job
         self._dispatch()                  # nothing to compute: the rounds counted down may free a request
         return None
 
-    def _ask(self, job: DraftJob, rid: str, nodes: list[int]) -> None:
+    def _ask(self, job: DraftJob, request_id: str, nodes: list[int]) -> None:
         """Add the expansion of these tree nodes to the job (behind the committed nodes the draft has not
         computed yet, `unseen`)."""
         if not nodes:
             return
-        state, tree = self.requests[rid], self.trees[rid]
+        state, tree = self.requests[request_id], self.trees[request_id]
         tree.mark_asked(nodes)
         parents, positions, tokens = tree.segment_rows(nodes, state.root_parent)
-        job.expand.append((rid, self.unseen.pop(rid, []) + list(map(DraftNode, nodes, parents, positions, tokens))))
-        job.tree_nodes[rid] = nodes
+        fresh = list(map(DraftNode, nodes, parents, positions, tokens))
+        job.expand.append((request_id, self.unseen.pop(request_id, []) + fresh))
+        job.tree_nodes[request_id] = nodes
         if self._rejection(state):
-            job.keep_q.add(rid)
+            job.keep_q.add(request_id)
 
     def draft_done(self, job: DraftJob, results: DraftResults) -> None:
         """A job's results: failures end their requests; proposals become children (of the nodes still in
@@ -393,20 +394,20 @@ class SpecPipeScheduler(BatchingScheduler):
     def _apply(self, job: DraftJob, results: DraftResults) -> None:
         if self.sizer is not None and job.expand and not job.begin and not results.errors:
             self.sizer.observe_draft(sum(len(nodes) for _, nodes in job.expand), results.compute_ms)
-        weights = {rid: len(prompt) for rid, prompt, *_ in job.begin}
-        for rid, nodes in job.expand:
-            weights[rid] = weights.get(rid, 0) + len(nodes)
+        weights = {request_id: len(prompt) for request_id, prompt, *_ in job.begin}
+        for request_id, nodes in job.expand:
+            weights[request_id] = weights.get(request_id, 0) + len(nodes)
         total = sum(weights.values())
-        for rid, w in weights.items():            # the draft's time, charged in proportion to its rows
-            if rid in self.requests and total:
-                self.requests[rid].spec.draft_ms += results.compute_ms * w / total
-        for rid, error in results.errors.items():
-            if rid in self.requests:              # a failing draft fails its request, not the scheduler
-                self._draft_failed(self.requests[rid], error)
-        for rid, nodes in job.tree_nodes.items():
-            if rid not in self.requests or rid not in results.proposals:
+        for request_id, w in weights.items():            # the draft's time, charged in proportion to its rows
+            if request_id in self.requests and total:
+                self.requests[request_id].spec.draft_ms += results.compute_ms * w / total
+        for request_id, error in results.errors.items():
+            if request_id in self.requests:              # a failing draft fails its request, not the scheduler
+                self._draft_failed(self.requests[request_id], error)
+        for request_id, nodes in job.tree_nodes.items():
+            if request_id not in self.requests or request_id not in results.proposals:
                 continue
-            tree, rows = self.trees[rid], results.proposals[rid]
+            tree, rows = self.trees[request_id], results.proposals[request_id]
             first = len(rows) - len(nodes)        # the rows before are committed nodes (`unseen`)
             alive = tree.live(nodes)
             if first or not alive.all():
@@ -417,18 +418,18 @@ class SpecPipeScheduler(BatchingScheduler):
             else:
                 keep = nodes
             tree.add_children_many(keep, rows)
-            for node_id in keep if rid in results.q else ():
-                tree.q[node_id] = results.q[rid].get(node_id)
+            for node_id in keep if request_id in results.q else ():
+                tree.q[node_id] = results.q[request_id].get(node_id)
 
     def _draft_now(self, job: DraftJob) -> None:
         """Run a job in line, the queued bookkeeping first, and apply it (the trip baselines)."""
         job.ops, self.draft_ops = self.draft_ops + job.ops, []
         self._apply(job, job.run(self.draft))
 
-    def _expand(self, rid: str, nodes: list[int]) -> None:
+    def _expand(self, request_id: str, nodes: list[int]) -> None:
         """Expand these nodes of one request now (the trip baselines)."""
         job = DraftJob(topk=self.topk)
-        self._ask(job, rid, nodes)
+        self._ask(job, request_id, nodes)
         if job.expand:
             self._draft_now(job)
 

@@ -41,49 +41,49 @@ class TripScheduler(SpecPipeScheduler):
 
     # -- no cross-request batching: each request's prompt and speculations travel alone ------------
     def _dispatch(self) -> None:
-        for rid in list(self.prefill_next):         # the prompt in chunks, back to back (each stage keeps order)
-            state = self.requests[rid]
-            while rid in self.prefill_next:
+        for request_id in list(self.prefill_next):         # the prompt in chunks, back to back (each stage keeps order)
+            state = self.requests[request_id]
+            while request_id in self.prefill_next:
                 self._inject([self._prefill_chunk(state, self.prefill_chunk)])
         for state in list(self.requests.values()):
             self._fill(state)
 
     def _fill(self, state: RequestState) -> None:
-        rid = state.request.request_id
-        tree = self.trees[rid]
+        request_id = state.request.request_id
+        tree = self.trees[request_id]
         if self.bonus_alone and not tree.root_node.injected:      # PipeInfer's non-speculative run
             root = tree.root_node
             root.injected = True
-            self._inject([Segment(rid, [root.id], [state.root_parent], [root.depth], [root.token], [True])])
+            self._inject([Segment(request_id, [root.id], [state.root_parent], [root.depth], [root.token], [True])])
             state.spec.nodes_injected += 1
-        if state.in_flight < self.max_in_flight and rid not in self.pending:
-            self.pending[rid] = 1                 # the speculation is grown in work(), off the event path
+        if state.in_flight < self.max_in_flight and request_id not in self.pending:
+            self.pending[request_id] = 1                 # the speculation is grown in work(), off the event path
 
     def work(self) -> None:
         """Grow each due request's speculation in line, the draft's queued bookkeeping first."""
         if self.draft_ops:
             self._draft_now(DraftJob())
-        for rid in list(self.pending):
+        for request_id in list(self.pending):
             try:
-                self._work_one(rid)
+                self._work_one(request_id)
             except Exception as e:        # a failing draft fails its request, not the scheduler
-                self.pending.pop(rid, None)
-                if rid in self.requests:
-                    self._draft_failed(self.requests[rid], e)
+                self.pending.pop(request_id, None)
+                if request_id in self.requests:
+                    self._draft_failed(self.requests[request_id], e)
 
-    def _work_one(self, rid: str) -> None:
-        del self.pending[rid]
-        state, tree = self.requests[rid], self.trees[rid]
-        if rid not in self.begun:
-            self.begun.add(rid)
-            self._draft_now(DraftJob(begin=[(rid, state.request.prompt_ids, state.request.sampling,
+    def _work_one(self, request_id: str) -> None:
+        del self.pending[request_id]
+        state, tree = self.requests[request_id], self.trees[request_id]
+        if request_id not in self.begun:
+            self.begun.add(request_id)
+            self._draft_now(DraftJob(begin=[(request_id, state.request.prompt_ids, state.request.sampling,
                                              self._rejection(state))]))
-            if rid not in self.requests:
+            if request_id not in self.requests:
                 return                         # the draft failed the request
         root = tree.root_node
         if not root.expanded:                  # may overlap the prompt's trip
-            self._expand(rid, [tree.root])
-            if rid not in self.requests:
+            self._expand(request_id, [tree.root])
+            if request_id not in self.requests:
                 return                         # the draft failed the request
         if state.in_flight >= self.max_in_flight:
             return                             # the pipeline is full: _fill asks again after a result
@@ -106,19 +106,19 @@ class TripScheduler(SpecPipeScheduler):
                 break
             grown += len(picked)
             chosen += picked
-            self._expand(rid, [n.id for n in picked if n.token not in state.request.eos_ids])
-            if rid not in self.requests:
+            self._expand(request_id, [n.id for n in picked if n.token not in state.request.eos_ids])
+            if request_id not in self.requests:
                 return
         if not chosen:
             return                             # nothing to verify: wait for the outstanding result
         chosen.sort(key=lambda n: (n.depth, n.id))
         parent = {tree.root: state.root_parent}
-        self._inject([Segment(rid, [n.id for n in chosen], [parent.get(n.id, n.parent) for n in chosen],
+        self._inject([Segment(request_id, [n.id for n in chosen], [parent.get(n.id, n.parent) for n in chosen],
                               [n.depth for n in chosen], [n.token for n in chosen], [True] * len(chosen))])
         state.spec.nodes_injected += len(chosen)
         state.spec.trips += 1
         if state.in_flight < self.max_in_flight:
-            self.pending[rid] = 1             # room for another run (pipeinfer)
+            self.pending[request_id] = 1             # room for another run (pipeinfer)
 
 
 def make_sps(num_stages: int, draft: DraftSource, k: int, verify: str = "match",

@@ -49,9 +49,9 @@ class InProcessPipeline:
         for tick in range(max_ticks):
             while pending and arrive.get(pending[0].request_id, 0) <= tick:
                 scheduler.add(pending.pop(0))
-            for rid in [r for r, t in cancel.items() if t <= tick]:
-                del cancel[rid]
-                scheduler.cancel(rid)
+            for request_id in [r for r, t in cancel.items() if t <= tick]:
+                del cancel[request_id]
+                scheduler.cancel(request_id)
             self._apply(scheduler, outcomes, waiting, done)
             if len(done) == len(requests) and not any(stages) and not waiting:
                 return outcomes

@@ -53,7 +53,7 @@ T = TypeVar("T")
 log = get_logger(__name__)
 MAX_BODY_BYTES = 4 * 1024 * 1024        # default body cap (the coordinator passes --api-max-message-mb)
 INLINE_JSON_BYTES = 64 * 1024           # bodies up to this are parsed on the event loop, larger in a thread
-RID = web.RequestKey("rid", str)                # the request's own id (engine, logs, the answer's `id`)
+RID = web.RequestKey("request_id", str)                # the request's own id (engine, logs, the answer's `id`)
 ECHO_ID = web.RequestKey("echo_id", str)        # what X-Request-Id echoes: the client's id, else RID
 
 
@@ -254,12 +254,12 @@ class OpenAIServer:
 
     # -- generation -----------------------------------------------------------------------------------
     async def _generate(self, request: web.Request, req: OpenAIRequest, chat: bool) -> web.StreamResponse:
-        rid = request[RID]
-        req.inp.request_id = rid
+        request_id = request[RID]
+        req.inp.request_id = request_id
         req.inp.client = client_identity(self._token, request.remote or "")
-        oid = f"{'chatcmpl' if chat else 'cmpl'}-{rid}"
-        theirs = {} if request[ECHO_ID] == rid else {"client_request_id": request[ECHO_ID]}
-        with structlog.contextvars.bound_contextvars(request_id=rid, **theirs):
+        oid = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
+        theirs = {} if request[ECHO_ID] == request_id else {"client_request_id": request[ECHO_ID]}
+        with structlog.contextvars.bound_contextvars(request_id=request_id, **theirs):
             gen = self.coordinator.generate(req.inp)
             async with aclosing(gen):        # closed on every exit: the engine cancels an unfinished request
                 try:

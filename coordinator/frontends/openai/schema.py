@@ -248,7 +248,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion(chat: bool, rid: str, created: int, model: str, text: str, reason: str,
+def completion(chat: bool, request_id: str, created: int, model: str, text: str, reason: str,
                use: dict[str, int], token_ids: list[int] | None) -> dict[str, Any]:
     """The non-streaming answer: one object with one choice and the usage."""
     choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason(reason)}
@@ -258,11 +258,11 @@ def completion(chat: bool, rid: str, created: int, model: str, text: str, reason
         choice["text"] = text
     if token_ids is not None:
         choice["token_ids"] = token_ids
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+    return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": model, "choices": [choice], "usage": use}
 
 
-def chunk(chat: bool, rid: str, created: int, model: str, delta: dict[str, str] | None, text: str,
+def chunk(chat: bool, request_id: str, created: int, model: str, delta: dict[str, str] | None, text: str,
           reason: str | None, include_usage: bool, token_ids: list[int] | None,
           use: dict[str, int] | None = None) -> dict[str, Any]:
     """One streamed event. Chat chunks carry `delta` ({"role"} first, then {"content"}), completions `text`;
@@ -276,7 +276,7 @@ def chunk(chat: bool, rid: str, created: int, model: str, delta: dict[str, str] 
         choice["text"] = text
     if token_ids is not None:
         choice["token_ids"] = token_ids
-    out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+    out: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
                            "created": created, "model": model, "choices": [choice]}
     if include_usage:
         out["usage"] = use
