@@ -50,7 +50,8 @@ def test_as_dict_uses_the_wire_names():
 
 
 def test_final_stats_of_a_re_run_request_sum_its_attempts():
-    live = LiveRequest(None, asyncio.Queue(), 0.0, Request("a", [1, 2], 6), "specpipe", None, "a")  # type: ignore[arg-type]
+    live = LiveRequest(None, asyncio.Queue(), 0.0, Request("a", [1, 2], 6),  # type: ignore[arg-type]
+                       "specpipe", None, "a")
     live.carry(RequestStats(steps=10, tokens=3, spec=SpecCounters(hits=2, misses=1)))
     live.attempts, live.emitted, live.token_times = 1, [5, 6, 7, 8], [1.0, 2.0, 3.0, 4.0]
     out = live.final_stats(RequestStats(steps=6, tokens=1, sized_width=4, spec=SpecCounters(hits=1)), 5.0)
