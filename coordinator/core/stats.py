@@ -113,8 +113,11 @@ class RequestStats:
         return (self.tokens - 1) / self.decode_steps if self.decode_steps else 0.0
 
     def stage(self, index: int) -> StageCounters:
-        """Stage `index`'s counters (created on first use)."""
-        return self.stages.setdefault(index, StageCounters())
+        """Stage `index`'s counters (created on first use; called per stage trace of every result)."""
+        counters = self.stages.get(index)
+        if counters is None:
+            counters = self.stages[index] = StageCounters()
+        return counters
 
     def add(self, other: RequestStats) -> None:
         """Sum another attempt's additive fields into these."""
