@@ -17,9 +17,11 @@ The rule learns online from what the scheduler already sees (it has no clock: ti
 The model, one request (`Sizer.rate`):
 
     step(w, r)  = max(c(w) + hop + ctl / S,  r * d(w),  ctl)     the slowest of stages, draft, coordinator
-    tokens(w)   = E_now * f(w) / f(w_now),   f(w) = 1 / (1 + (1 - hit(k(w))) * (S - 1))
-                  (a miss throws away the S - 1 micro-batches behind it)
-    spec rate   = tokens(w) / step(w, r)          none rate = 1 / (S * (c(1) + hop) + ctl_none)
+    tokens(w, r) = min(E_now * f(w) / f(w_now), r),   f(w) = 1 / (1 + (1 - hit(k(w))) * (S - 1))
+                  (a miss throws away the S - 1 micro-batches behind it; and a result commits at most the r
+                  layers that the r draft rounds since the injection before it added to the spine: where the
+                  draft sets the pace, E_now measured at 2 rounds is ~1.7 and says nothing of 1 round's ~0.9)
+    spec rate   = tokens(w, r) / step(w, r)       none rate = 1 / (S * (c(1) + hop) + ctl_none)
 
 With n requests held (SpecPipe-DB) each takes share = min(w, node_budget // n) rows, a micro-batch carries
 all of them (rows = n * share) and commits n * tokens(share); without speculation a micro-batch carries
@@ -63,7 +65,6 @@ MARGIN = 0.10                          # a change must promise this much more th
 UNTRIED = 0.25                         # ... and this much when the rule's model is all it has
 EVERY = 8                              # results between decisions
 MAX_RANK = 64                          # ranks counted (beyond: "not proposed")
-PACED = 3                              # results measured before a measured pace counts
 EXPLORE = 4.0                          # none is tried unless speculation is predicted this many times as fast
 
 
@@ -291,11 +292,11 @@ class Sizer:
         return 1.0 / (1.0 + (1.0 - self.hit(k)) * (self.S - 1))
 
     def measured(self, choice: Choice, requests: int = 1) -> float | None:
-        """The choice's measured pace at this load, once it has run long enough (none: PACED results;
-        speculating: half the decision interval, as misses come in bursts)."""
+        """The choice's measured pace at this load, once it has run half a decision interval (misses come in
+        bursts; and a trial of none judged on three results switched back to speculating on a noisy low pace
+        on this 2-core machine, then paid a dozen slow results to come back)."""
         pace = self.paces.get((choice, load(self.held.value if self.held.n else requests)))
-        need = self.every // 2 if choice.speculates else PACED
-        return pace.rate if pace is not None and pace.n >= need else None
+        return pace.rate if pace is not None and pace.n >= self.every // 2 else None
 
     def expected(self, choice: Choice, requests: int = 1) -> float:
         """Committed tokens per ms to expect: as measured where the choice has run, else the model —
@@ -319,7 +320,7 @@ class Sizer:
         share = choice.width if n == 1 else min(choice.width, max(1, self.node_budget // n))
         rows = n * share
         step = max(c.stage(rows) + hop + ctl / S, choice.rounds * self.draft(rows), ctl)
-        tokens = (self.tokens.value or 0.0) * self._f(share) / self._f(self.w_seen)
+        tokens = min((self.tokens.value or 0.0) * self._f(share) / self._f(self.w_seen), float(choice.rounds))
         return n * tokens / max(step, 1e-9)
 
     def candidates(self) -> list[Choice]:
@@ -343,8 +344,9 @@ class Sizer:
 
     def choose(self, requests: int = 1) -> Choice:
         """The best candidate when it beats the current choice by MARGIN (else the current one). Until none has
-        been measured, it is tried (for PACED results) when speculation is not predicted EXPLORE times as fast:
-        its modelled costs are the speculating ones, which overstate it where stages share cores with the draft."""
+        been measured, it is tried (for half a decision interval) when speculation is not predicted EXPLORE
+        times as fast: its modelled costs are the speculating ones, which overstate it where stages share cores
+        with the draft."""
         if not self.ready or not self.sizing.auto:
             return self.choice
         seen = self.measured(self.choice, requests)

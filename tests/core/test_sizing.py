@@ -112,13 +112,35 @@ def test_none_is_tried_then_judged_by_its_measured_pace():
     assert sizer.choose() == NONE and sizer.trying
     t = 150.0 * 16
     seen = []
-    for _ in range(12):                       # none at 200 ms per token: its trial ends once measured
+    for _ in range(14):                       # none at 200 ms per token: its trial ends once measured
         t += 200.0
         sizer.observe_result(t, 1)
         seen.append(sizer.step())
     assert sizer.measured(NONE) == pytest.approx(1 / 200)
     assert seen[-1].speculates and not sizer.trying   # (the modelled best; width 32 is measured slower)
     assert sizer.choose().speculates                  # none tried once: not again while its pace says no
+
+
+def test_where_the_draft_sets_the_pace_fewer_rounds_commit_fewer_tokens():
+    """A CPU whose draft costs as much as the whole target (S = 4, stages 28 + 0.5 ms/row, draft 112 + 0.5):
+    at 2 rounds every result waits for 256 ms of draft and commits 1.7 tokens (two spine layers a result).
+    One round cannot commit more than one layer a result, so width 8 with 1 round is 1 token per 116 ms —
+    no better than none, which is kept after its trial (uncapped, the model said 1.7 tokens per 116 ms and
+    went back to speculating)."""
+    sizer = Sizer(4, Sizing.of(0, 0, 0))
+    _teach(sizer, (28.0, 0.5), 0.4, (112.0, 0.5), 1.0, 1.7, [0] * 40)
+    # step = max(28 + 4 + 0.4 + 1 / 4, 1 * (112 + 4), 1) = 116 ms; tokens = min(1.7 * f(8) / f(32), 1 round)
+    assert sizer.rate(Choice(8, 8, 1)) == pytest.approx(1 / 116.0)
+    # step = max(28 + 16 + 0.65, 2 * 128, 1) = 256 ms for min(1.7, 2) tokens
+    assert sizer.rate(Choice(32, 16, 2)) == pytest.approx(1.7 / 256.0)
+    _pace(sizer, 150.0, 16)                   # speculating at 150 ms per token
+    assert sizer.choose() == NONE
+    t = 150.0 * 16
+    for _ in range(14):                       # none at 119 ms per token
+        t += 119.0
+        sizer.observe_result(t, 1)
+        assert sizer.step() == NONE
+    assert sizer.measured(NONE) == pytest.approx(1 / 119.0)
 
 
 def test_the_gpu_profile_does_not_try_none():
