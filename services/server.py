@@ -18,6 +18,7 @@ from common.metrics_http import serve_metrics
 from services.model.loader import resolve_model, stderr_log
 from services.model.shard import even_split, load_shard
 from common.options import service_parser
+from common.process import before_exit
 from services.runner import StageRunner
 from services.servicer import StageServicer
 
@@ -116,4 +117,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    before_exit()            # (not in main(): tests call it in their own process)
+    raise SystemExit(code)

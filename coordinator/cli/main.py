@@ -12,15 +12,18 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
 from common.logs import configure
 from common.memory import tune_allocator
+from common.process import before_exit
 from common.options import add_flag
 
 if TYPE_CHECKING:                       # imported lazily at run time: `specpipe generate` needs no torch
+    from coordinator.config import CoordinatorConfig
     from coordinator.engine.local import LocalStages
-    from coordinator.frontends.service import GenerateInput
+    from coordinator.frontends.service import GenerateInput, ModelParts
 
 EXAMPLES = """examples:
   specpipe run "What is the capital of France?" --stages 4
@@ -177,6 +180,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def entry() -> int:
+    """The `specpipe` console script: `main`, then the quick way out (`before_exit`; not in `main`, which
+    tests call in their own process)."""
+    code = main()
+    before_exit()
+    return code
+
+
 def _dispatch(argv: list[str]) -> int:
     command = argv[0] if argv else ""
     if command == "generate":
@@ -233,9 +244,14 @@ def _input(args: argparse.Namespace) -> GenerateInput:
                          seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
 
 
-async def _start_local(args: argparse.Namespace) -> tuple[str, LocalStages]:
+async def _start_local(args: argparse.Namespace, make_config: Callable[[str, list[str]], CoordinatorConfig]
+                       ) -> tuple[CoordinatorConfig, LocalStages, ModelParts]:
+    """Start the stage processes and, beside them, load what the coordinator reads from the model alone
+    (tokenizer, draft: `ModelParts`), so the coordinator connects as soon as the stages are ready. The first
+    failure of either stops everything and is raised (a bad --draft-model does not wait for the stages)."""
     from coordinator.engine.local import LocalStages
     from coordinator.cli.progress import resolve_with_progress
+    from coordinator.frontends.service import ModelParts
 
     model = await asyncio.to_thread(resolve_with_progress, args.model)
     stages = LocalStages(args.stages, model=model, dtype=args.dtype, device=args.device,
@@ -250,12 +266,22 @@ async def _start_local(args: argparse.Namespace) -> tuple[str, LocalStages]:
         ready.append(i)
         print(f"specpipe: stage {i} ready ({len(ready)}/{args.stages}, {time.monotonic() - began:.1f} s)",
               file=sys.stderr, flush=True)
+    waiting, loading = None, None
     try:
-        await stages.wait_ready(on_ready=on_ready)
+        config = make_config(model, stages.addresses)
+        waiting = asyncio.ensure_future(stages.wait_ready(on_ready=on_ready))
+        loading = asyncio.ensure_future(asyncio.to_thread(ModelParts.load, config))
+        await asyncio.wait({waiting, loading}, return_when=asyncio.FIRST_EXCEPTION)
+        if loading.done():
+            loading.result()                  # (raises its error, if it failed, without waiting for the stages)
+        await waiting
+        return config, stages, await loading
     except BaseException:
+        for task in (waiting, loading):       # (a loading thread runs on to its end: asyncio.run joins it)
+            if task is not None:
+                task.cancel()
         stages.stop()
         raise
-    return model, stages
 
 
 async def cmd_run(args: argparse.Namespace) -> int:
@@ -263,12 +289,13 @@ async def cmd_run(args: argparse.Namespace) -> int:
     from coordinator.frontends.service import Coordinator
     from coordinator.core.stats import RequestStats
 
-    model, stages = await _start_local(args)
+    def make_config(model: str, addresses: list[str]) -> CoordinatorConfig:
+        return CoordinatorConfig(stages=tuple(addresses), model=model, method=args.method or "specpipe",
+                                 max_new_tokens_cap=1 << 20, **spec_kwargs(args))
+    config, stages, parts = await _start_local(args, make_config)
     coordinator = None
     try:
-        config = CoordinatorConfig(stages=tuple(stages.addresses), model=model, method=args.method or "specpipe",
-                                   max_new_tokens_cap=1 << 20, **spec_kwargs(args))
-        coordinator = await Coordinator.connect(config)
+        coordinator = await Coordinator.connect(config, parts)
         started = time.perf_counter()
         text, ids, last = [], [], None
         async for chunk in coordinator.generate(_input(args)):
@@ -315,15 +342,15 @@ async def cmd_local(args: argparse.Namespace) -> int:
     from coordinator.frontends.openai.api import served_model_name
     from coordinator.frontends.server import start, start_http
 
-    model, stages = await _start_local(args)
+    def make_config(model: str, addresses: list[str]) -> CoordinatorConfig:
+        return CoordinatorConfig(stages=tuple(addresses), model=model, host=args.host, port=args.port,
+                                 method=args.method, max_active=args.max_active, max_queue=args.max_queue,
+                                 served_model_name=(served_model_name(args.model),), **spec_kwargs(args))
+    config, stages, parts = await _start_local(args, make_config)
     supervisor = asyncio.create_task(stages.supervise())      # a stage process that dies is restarted
     server = coordinator = http = metrics_http = None
     try:
-        config = CoordinatorConfig(stages=tuple(stages.addresses), model=model, host=args.host,
-                                   port=args.port, method=args.method, max_active=args.max_active,
-                                   max_queue=args.max_queue, served_model_name=(served_model_name(args.model),),
-                                   **spec_kwargs(args))
-        server, coordinator = await start(config)
+        server, coordinator = await start(config, parts)
         if args.metrics_port:
             from common.metrics_http import serve_metrics
             metrics_http = await serve_metrics(args.host, args.metrics_port)
@@ -415,4 +442,4 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(entry())

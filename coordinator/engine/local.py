@@ -66,7 +66,10 @@ class LocalStages:
                        "--stage-time-ms", self.stage_time_ms, "--kv-limit-mb", str(self.kv_limit_mb),
                        # never the coordinator's SPECPIPE_METRICS_PORT from the environment
                        "--metrics-port", str(self.metrics_port + 1 + i if self.metrics_port else 0),
-                       "--parent-pid", str(os.getpid())]      # a stage outlives no killed parent
+                       "--parent-pid", str(os.getpid()),      # a stage outlives no killed parent
+                       # its one caller is this process, which has closed its streams when it stops the stage:
+                       # no load balancer to give notice to (the notice is grace / 4, at most 1 s)
+                       "--grace-s", "2"]
                       for i, port in enumerate(ports)]
         self.procs = [self._launch(i, "w") for i in range(self.num_stages)]
         self.restarts = [0] * self.num_stages

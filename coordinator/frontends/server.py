@@ -15,11 +15,12 @@ from common.metrics_http import serve_metrics
 from common.logs import configure, get_logger
 from common.options import service_parser
 from common.tls import TLSFiles
+from common.process import before_exit
 
 from coordinator.frontends.grpc_api import ApiTokenInterceptor, GenerationServicer, serving_state
 from coordinator.config import CoordinatorConfig
 from coordinator.frontends.openai.api import OpenAIServer
-from coordinator.frontends.service import Coordinator
+from coordinator.frontends.service import Coordinator, ModelParts
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 # grpc.health.v1 service that says SERVING while the process runs, whatever the pipeline does (liveness);
@@ -94,8 +95,9 @@ class ApiServer(Server):
                 log.exception("health update failed")
 
 
-async def start(config: CoordinatorConfig) -> tuple[ApiServer, Coordinator]:
-    coordinator = await Coordinator.connect(config)
+async def start(config: CoordinatorConfig, parts: ModelParts | None = None) -> tuple[ApiServer, Coordinator]:
+    """Connect a coordinator (with `parts` already loaded, if given) and serve its gRPC API."""
+    coordinator = await Coordinator.connect(config, parts)
     server = ApiServer(config, coordinator)
     servicer = GenerationServicer(coordinator, config.api_token, config.api_max_concurrent_rpcs,
                                   config.max_per_client, config.stream_write_timeout_s)
@@ -204,4 +206,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    before_exit()            # (not in main(): tests call it in their own process)
+    raise SystemExit(code)

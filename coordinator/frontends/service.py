@@ -17,6 +17,7 @@ from services.model.loader import resolve_model, stderr_log
 
 from coordinator.config import CoordinatorConfig
 from coordinator.core.admission import Admission, Overloaded
+from coordinator.core.drafts.base import DraftSource
 from coordinator.core.drafts.factory import build_draft
 from coordinator.core.schedulers.registry import SpecOptions
 from coordinator.core.stats import RequestStats
@@ -72,6 +73,26 @@ class GenerationFailed(RuntimeError):
         self.retryable = retryable    # False: the same request will fail again (e.g. it can never fit)
 
 
+@dataclass
+class ModelParts:
+    """What the coordinator reads from the model's folder alone, with no stage running: the tokenizer, the
+    generation defaults and the draft. Loading them takes seconds (the `quant` draft copies the whole target),
+    so `specpipe run` and `local` load them while the stage processes start (`Coordinator.connect`)."""
+    tokenizer: object | None
+    eos_ids: frozenset[int]
+    defaults: GenerationDefaults
+    draft: DraftSource | None        # None for --draft none
+
+    @staticmethod
+    def load(config: CoordinatorConfig) -> "ModelParts":
+        """Blocking: run it in a thread. The draft first: a wrong --draft or --draft-model fails at once."""
+        torch.set_num_threads(config.draft_threads)
+        draft = build_draft(config.draft, config.model, config.draft_model, config.draft_device, config.draft_dtype)
+        tokenizer, eos_ids = load_tokenizer(config.model)
+        defaults = load_generation_defaults(config.model, config.generation_config)
+        return ModelParts(tokenizer, eos_ids, defaults, draft)
+
+
 class Coordinator:
     # the model's sampling defaults for the OpenAI API (generation_config.json; set by connect)
     generation_defaults: GenerationDefaults = GenerationDefaults()
@@ -112,18 +133,18 @@ class Coordinator:
         self.pipelines.begin_close()
 
     @classmethod
-    async def connect(cls, config: CoordinatorConfig) -> "Coordinator":
+    async def connect(cls, config: CoordinatorConfig, parts: "ModelParts | None" = None) -> "Coordinator":
+        """Open the pipeline and start the engine. `parts`: what `ModelParts.load(config)` read, when the
+        caller loaded it beside the stages' start (`specpipe run` and `local` do); else it is loaded here."""
         # one coordinator owns a pipeline: what the stages hold now was left by a coordinator that died
         await release_held(list(config.stages), set(), config.tls, config.connect_timeout_s)
         pipeline = await _open(config, list(config.stages))
         info = pipeline.infos[0]
-        tokenizer, eos_ids = await asyncio.to_thread(load_tokenizer, config.model)
-        defaults = await asyncio.to_thread(load_generation_defaults, config.model, config.generation_config)
+        if parts is None:
+            parts = await asyncio.to_thread(ModelParts.load, config)
+        tokenizer, eos_ids, defaults, draft = parts.tokenizer, parts.eos_ids, parts.defaults, parts.draft
         limits = Limits(info.vocab_size, info.max_position, config.default_max_new_tokens,
                         config.max_new_tokens_cap)
-        torch.set_num_threads(config.draft_threads)
-        draft = await asyncio.to_thread(build_draft, config.draft, config.model, config.draft_model,
-                                        config.draft_device, config.draft_dtype)
         spec = config.spec_options(draft)
         admission = Admission(config.max_active, config.max_queue, kv_slots(pipeline),
                               max_per_client=config.max_per_client)

@@ -338,3 +338,29 @@ def test_conversion_progress_ticks_on_a_terminal_and_is_plain_otherwise():
     out = term.getvalue()
     assert out.startswith("specpipe: converting X into /c\n\r  ... ") and " s" in out
     assert out.endswith("\r\x1b[Kspecpipe: ready in 1.0 s\n"), "the tick line is cleared before the next message"
+
+
+def test_run_loads_the_draft_beside_the_stages_and_a_failure_stops_them(tiny_model, monkeypatch, capsys):
+    """`specpipe run` loads the coordinator's model parts while its stage processes start: a draft that cannot
+    load fails the command with one line (exit 1), and every stage process it started has exited."""
+    import coordinator.cli.main as cli
+    from coordinator.engine.local import LocalStages
+
+    started: list[subprocess.Popen] = []
+    launch = LocalStages._launch
+
+    def recording(self, i, mode):
+        proc = launch(self, i, mode)
+        started.append(proc)
+        return proc
+
+    monkeypatch.setattr(LocalStages, "_launch", recording)
+    # (in this process: no logging set up on the captured stderr, which later tests would log to once closed)
+    monkeypatch.setattr(cli, "configure", lambda **kw: None)
+    monkeypatch.setattr(cli, "tune_allocator", lambda: None)
+    missing = tiny_model.parent / "no-such-draft"
+    code = cli.main(["run", "hi", "--model", str(tiny_model), "--stages", "2", "--draft", "model",
+                     "--draft-model", str(missing)])
+    err = capsys.readouterr().err
+    assert code == 1 and str(missing) in err and "Traceback" not in err, err
+    assert len(started) == 2 and all(p.poll() is not None for p in started)
