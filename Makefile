@@ -37,9 +37,9 @@ $(STAMP): pyproject.toml
 run: install
 	$(BIN)/specpipe run "$(PROMPT)" --stages $(STAGES) --max-new-tokens 48
 
-# Every tier (what CI runs).
+# Every tier (what CI runs); the 25 slowest tests listed at the end, to see where the budget goes.
 test: install
-	$(BIN)/python -m pytest -q -ra -n $(WORKERS) --dist loadfile -m "not timing"
+	$(BIN)/python -m pytest -q -ra -n $(WORKERS) --dist loadfile -m "not timing" --durations=25
 
 # Benchmark-style checks with generous bounds on wall-clock pace (a /tokenize flood beside a stream): run alone.
 test-timing: install
