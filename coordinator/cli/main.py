@@ -11,9 +11,10 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 from common.logs import configure
 from common.memory import tune_allocator
@@ -24,6 +25,8 @@ if TYPE_CHECKING:                       # imported lazily at run time: `specpipe
     from coordinator.config import CoordinatorConfig
     from coordinator.engine.local import LocalStages
     from coordinator.frontends.service import GenerateInput, ModelParts
+
+T = TypeVar("T")
 
 EXAMPLES = """examples:
   specpipe run "What is the capital of France?" --stages 4
@@ -246,9 +249,11 @@ def _input(args: argparse.Namespace) -> GenerateInput:
 
 async def _start_local(args: argparse.Namespace, make_config: Callable[[str, list[str]], CoordinatorConfig]
                        ) -> tuple[CoordinatorConfig, LocalStages, ModelParts]:
-    """Start the stage processes and, beside them, load what the coordinator reads from the model alone
+    """Start the stage processes and, beside them, load what the coordinator reads from model folders alone
     (tokenizer, draft: `ModelParts`), so the coordinator connects as soon as the stages are ready. The first
-    failure of either stops everything and is raised (a bad --draft-model does not wait for the stages)."""
+    failure of either (or Ctrl-C) stops the stages and is raised at once: a bad --draft-model does not wait for
+    the stages, a stage that exits does not wait for the draft (its load runs on in a daemon thread that the
+    process does not join)."""
     from coordinator.engine.local import LocalStages
     from coordinator.cli.progress import resolve_with_progress
     from coordinator.frontends.service import ModelParts
@@ -258,8 +263,6 @@ async def _start_local(args: argparse.Namespace, make_config: Callable[[str, lis
                          threads=args.threads, stage_time_ms=args.stage_time_ms,
                          kv_limit_mb=getattr(args, "kv_limit_mb", 0.0),
                          metrics_port=getattr(args, "metrics_port", 0))
-    stages.start()
-    print(f"specpipe: starting {args.stages} stage process(es) (logs in {stages.log_dir})", file=sys.stderr)
     began, ready = time.monotonic(), []
 
     def on_ready(i: int) -> None:
@@ -268,20 +271,53 @@ async def _start_local(args: argparse.Namespace, make_config: Callable[[str, lis
               file=sys.stderr, flush=True)
     waiting, loading = None, None
     try:
+        stages.start()
+        print(f"specpipe: starting {args.stages} stage process(es) (logs in {stages.log_dir})", file=sys.stderr)
         config = make_config(model, stages.addresses)
         waiting = asyncio.ensure_future(stages.wait_ready(on_ready=on_ready))
-        loading = asyncio.ensure_future(asyncio.to_thread(ModelParts.load, config))
+        loading = _in_daemon_thread(ModelParts.load, config)
         await asyncio.wait({waiting, loading}, return_when=asyncio.FIRST_EXCEPTION)
         if loading.done():
             loading.result()                  # (raises its error, if it failed, without waiting for the stages)
         await waiting
         return config, stages, await loading
     except BaseException:
-        for task in (waiting, loading):       # (a loading thread runs on to its end: asyncio.run joins it)
-            if task is not None:
-                task.cancel()
+        for task in (waiting, loading):
+            if task is None:
+                continue
+            if task.done() and not task.cancelled():
+                task.exception()              # retrieved: the one raised below is the error shown
+            task.cancel()
         stages.stop()
         raise
+
+
+def _in_daemon_thread(fn: Callable[..., T], *args: object) -> asyncio.Future[T]:
+    """fn(*args) on a daemon thread, as a future of the running loop. Unlike `asyncio.to_thread`, whose
+    executor `asyncio.run` joins on the way out, a process that gives up on it exits without waiting for it."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: object, error: BaseException | None) -> None:
+        if future.done():                     # cancelled meanwhile
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:            # noqa: BLE001 — handed to the awaiting task
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:                  # the loop has closed: nobody waits for it any more
+            pass
+
+    threading.Thread(target=run, name=f"specpipe-{getattr(fn, '__qualname__', 'load')}", daemon=True).start()
+    return future
 
 
 async def cmd_run(args: argparse.Namespace) -> int:

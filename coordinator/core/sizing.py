@@ -37,7 +37,8 @@ E_now = 0.8 -> 140 ms: none.
 What it chooses (`Sizer.step`, after every result; `choose` every max(8, 4 S) results):
 
 1. **Start large, try none**: the largest choice first; once the rule knows enough, unless speculation is
-   predicted EXPLORE times as fast as none, none is tried for a few results, to measure what plain
+   predicted EXPLORE times as fast as none, none is tried (NONE_PACED results, after the S results of
+   micro-batches sent before the switch), to measure what plain
    pipelining costs here (where stages share cores with the draft, the same stages run much faster alone,
    which the speculating costs hide).
 2. **Measured where it ran, modelled where not** (`expected`): a choice that has run long enough is judged
@@ -66,6 +67,8 @@ UNTRIED = 0.25                         # ... and this much when the rule's model
 EVERY = 8                              # results between decisions
 MAX_RANK = 64                          # ranks counted (beyond: "not proposed")
 EXPLORE = 4.0                          # none is tried unless speculation is predicted this many times as fast
+NONE_PACED = 8                         # results measured before none's pace counts (a speculating choice's: half
+                                       # a decision interval, as misses come in bursts; none has no misses)
 
 
 def load(requests: float) -> int:
@@ -292,11 +295,11 @@ class Sizer:
         return 1.0 / (1.0 + (1.0 - self.hit(k)) * (self.S - 1))
 
     def measured(self, choice: Choice, requests: int = 1) -> float | None:
-        """The choice's measured pace at this load, once it has run half a decision interval (misses come in
-        bursts; and a trial of none judged on three results switched back to speculating on a noisy low pace
-        on this 2-core machine, then paid a dozen slow results to come back)."""
+        """The choice's measured pace at this load, once it has run long enough: speculating, half a decision
+        interval (misses come in bursts); none, NONE_PACED results or that half interval if shorter."""
         pace = self.paces.get((choice, load(self.held.value if self.held.n else requests)))
-        return pace.rate if pace is not None and pace.n >= self.every // 2 else None
+        need = self.every // 2 if choice.speculates else min(self.every // 2, NONE_PACED)
+        return pace.rate if pace is not None and pace.n >= need else None
 
     def expected(self, choice: Choice, requests: int = 1) -> float:
         """Committed tokens per ms to expect: as measured where the choice has run, else the model —
@@ -344,7 +347,7 @@ class Sizer:
 
     def choose(self, requests: int = 1) -> Choice:
         """The best candidate when it beats the current choice by MARGIN (else the current one). Until none has
-        been measured, it is tried (for half a decision interval) when speculation is not predicted EXPLORE
+        been measured, it is tried (`measured`: for NONE_PACED results) when speculation is not predicted EXPLORE
         times as fast: its modelled costs are the speculating ones, which overstate it where stages share cores
         with the draft."""
         if not self.ready or not self.sizing.auto:

@@ -71,7 +71,9 @@ class LocalStages:
                        # no load balancer to give notice to (the notice is grace / 4, at most 1 s)
                        "--grace-s", "2"]
                       for i, port in enumerate(ports)]
-        self.procs = [self._launch(i, "w") for i in range(self.num_stages)]
+        self.procs = []
+        for i in range(self.num_stages):       # one by one: stop() reaches those started if a launch fails
+            self.procs.append(self._launch(i, "w"))
         self.restarts = [0] * self.num_stages
         return self.addresses
 

@@ -75,22 +75,23 @@ class GenerationFailed(RuntimeError):
 
 @dataclass
 class ModelParts:
-    """What the coordinator reads from the model's folder alone, with no stage running: the tokenizer, the
-    generation defaults and the draft. Loading them takes seconds (the `quant` draft copies the whole target),
-    so `specpipe run` and `local` load them while the stage processes start (`Coordinator.connect`)."""
+    """What the coordinator loads from model folders alone, with no stage running: the tokenizer, the
+    generation defaults and the draft. Loading takes seconds (the `quant` draft copies the whole target), so
+    `specpipe run` and `local` load them while the stage processes start (`Coordinator.connect`)."""
     tokenizer: object | None
     eos_ids: frozenset[int]
     defaults: GenerationDefaults
     draft: DraftSource | None        # None for --draft none
 
-    @staticmethod
-    def load(config: CoordinatorConfig) -> "ModelParts":
-        """Blocking: run it in a thread. The draft first: a wrong --draft or --draft-model fails at once."""
+    @classmethod
+    def load(cls, config: CoordinatorConfig) -> ModelParts:
+        """Blocking: run it in a thread. The cheap checks first (generation defaults, then the draft's folder
+        and kind): a wrong --generation-config, --draft or --draft-model fails before seconds of loading."""
+        defaults = load_generation_defaults(config.model, config.generation_config)
         torch.set_num_threads(config.draft_threads)
         draft = build_draft(config.draft, config.model, config.draft_model, config.draft_device, config.draft_dtype)
         tokenizer, eos_ids = load_tokenizer(config.model)
-        defaults = load_generation_defaults(config.model, config.generation_config)
-        return ModelParts(tokenizer, eos_ids, defaults, draft)
+        return cls(tokenizer, eos_ids, defaults, draft)
 
 
 class Coordinator:
@@ -133,7 +134,7 @@ class Coordinator:
         self.pipelines.begin_close()
 
     @classmethod
-    async def connect(cls, config: CoordinatorConfig, parts: "ModelParts | None" = None) -> "Coordinator":
+    async def connect(cls, config: CoordinatorConfig, parts: ModelParts | None = None) -> Coordinator:
         """Open the pipeline and start the engine. `parts`: what `ModelParts.load(config)` read, when the
         caller loaded it beside the stages' start (`specpipe run` and `local` do); else it is loaded here."""
         # one coordinator owns a pipeline: what the stages hold now was left by a coordinator that died
@@ -141,7 +142,11 @@ class Coordinator:
         pipeline = await _open(config, list(config.stages))
         info = pipeline.infos[0]
         if parts is None:
-            parts = await asyncio.to_thread(ModelParts.load, config)
+            try:
+                parts = await asyncio.to_thread(ModelParts.load, config)
+            except BaseException:
+                await pipeline.close()           # (the stages release what this coordinator opened)
+                raise
         tokenizer, eos_ids, defaults, draft = parts.tokenizer, parts.eos_ids, parts.defaults, parts.draft
         limits = Limits(info.vocab_size, info.max_position, config.default_max_new_tokens,
                         config.max_new_tokens_cap)

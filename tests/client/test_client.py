@@ -342,7 +342,10 @@ def test_conversion_progress_ticks_on_a_terminal_and_is_plain_otherwise():
 
 def test_run_loads_the_draft_beside_the_stages_and_a_failure_stops_them(tiny_model, monkeypatch, capsys):
     """`specpipe run` loads the coordinator's model parts while its stage processes start: a draft that cannot
-    load fails the command with one line (exit 1), and every stage process it started has exited."""
+    load fails the command with one line (exit 1) before any stage is ready, and every stage process it
+    started has exited."""
+    import torch
+
     import coordinator.cli.main as cli
     from coordinator.engine.local import LocalStages
 
@@ -358,9 +361,47 @@ def test_run_loads_the_draft_beside_the_stages_and_a_failure_stops_them(tiny_mod
     # (in this process: no logging set up on the captured stderr, which later tests would log to once closed)
     monkeypatch.setattr(cli, "configure", lambda **kw: None)
     monkeypatch.setattr(cli, "tune_allocator", lambda: None)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)     # (nor this process's torch threads)
+    monkeypatch.delenv("SPECPIPE_DEBUG", raising=False)
     missing = tiny_model.parent / "no-such-draft"
     code = cli.main(["run", "hi", "--model", str(tiny_model), "--stages", "2", "--draft", "model",
                      "--draft-model", str(missing)])
     err = capsys.readouterr().err
     assert code == 1 and str(missing) in err and "Traceback" not in err, err
+    assert "ready (" not in err, "the wrong draft waited for the stages"     # (seconds apart: a stage imports torch)
     assert len(started) == 2 and all(p.poll() is not None for p in started)
+
+
+def test_run_ends_on_a_failed_stage_without_waiting_for_the_draft(tiny_model, monkeypatch, capsys):
+    """The other way round: a stage that fails to start ends `specpipe run` while the draft is still loading
+    (here: held until the command has returned; `asyncio.to_thread` would keep the process until it is done)."""
+    import coordinator.cli.main as cli
+    from coordinator.engine.local import LocalStages
+    from coordinator.frontends.service import ModelParts
+
+    gate = threading.Event()
+
+    def loading(config):
+        gate.wait(120)
+        raise RuntimeError("the test's loader, released after the command returned")
+
+    async def stage_fails(self, timeout_s=300.0, on_ready=None):
+        raise RuntimeError("stage 1 exited with code 1")
+
+    monkeypatch.setattr(ModelParts, "load", staticmethod(loading))
+    monkeypatch.setattr(LocalStages, "wait_ready", stage_fails)
+    monkeypatch.setattr(cli, "configure", lambda **kw: None)
+    monkeypatch.setattr(cli, "tune_allocator", lambda: None)
+    monkeypatch.delenv("SPECPIPE_DEBUG", raising=False)
+    codes: list[int] = []
+    runner = threading.Thread(target=lambda: codes.append(cli.main(["run", "hi", "--model", str(tiny_model),
+                                                                    "--stages", "1"])))
+    try:
+        runner.start()
+        runner.join(60)
+        assert not runner.is_alive(), "specpipe run waited for the draft's load"
+        assert not gate.is_set() and codes == [1]
+        assert "stage 1 exited with code 1" in capsys.readouterr().err
+    finally:
+        gate.set()
+        runner.join(60)
