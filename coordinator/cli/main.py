@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import os
 import signal
@@ -293,31 +294,21 @@ async def _start_local(args: argparse.Namespace, make_config: Callable[[str, lis
 
 
 def _in_daemon_thread(fn: Callable[..., T], *args: object) -> asyncio.Future[T]:
-    """fn(*args) on a daemon thread, as a future of the running loop. Unlike `asyncio.to_thread`, whose
-    executor `asyncio.run` joins on the way out, a process that gives up on it exits without waiting for it."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
-
-    def settle(result: object, error: BaseException | None) -> None:
-        if future.done():                     # cancelled meanwhile
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
+    """fn(*args) on a daemon thread, as a future of the running loop (`asyncio.wrap_future`). Unlike
+    `asyncio.to_thread`, whose executor `asyncio.run` joins on the way out, a process that gives up on it exits
+    without waiting for it."""
+    done: concurrent.futures.Future[T] = concurrent.futures.Future()
 
     def run() -> None:
+        if not done.set_running_or_notify_cancel():     # given up on before it started
+            return
         try:
-            result, error = fn(*args), None
+            done.set_result(fn(*args))
         except BaseException as e:            # noqa: BLE001 — handed to the awaiting task
-            result, error = None, e
-        try:
-            loop.call_soon_threadsafe(settle, result, error)
-        except RuntimeError:                  # the loop has closed: nobody waits for it any more
-            pass
+            done.set_exception(e)
 
     threading.Thread(target=run, name=f"specpipe-{getattr(fn, '__qualname__', 'load')}", daemon=True).start()
-    return future
+    return asyncio.wrap_future(done)
 
 
 async def cmd_run(args: argparse.Namespace) -> int:
