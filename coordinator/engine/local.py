@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 
 from protos import stage_pb2, stage_pb2_grpc
+from common.grpc_server import RECONNECT_OPTIONS
 from common.logs import get_logger
 
 log = get_logger(__name__)
@@ -109,7 +110,7 @@ class LocalStages:
         stage's log tail if one exits."""
         deadline = time.monotonic() + timeout_s
         pending = set(range(self.num_stages))
-        channels = [grpc.aio.insecure_channel(a) for a in self.addresses]
+        channels = [grpc.aio.insecure_channel(a, options=RECONNECT_OPTIONS) for a in self.addresses]
         try:
             while pending:
                 for i in sorted(pending):
