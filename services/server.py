@@ -18,7 +18,7 @@ from common.metrics_http import serve_metrics
 from services.model.loader import resolve_model, stderr_log
 from services.model.shard import even_split, load_shard
 from common.options import service_parser
-from common.process import before_exit
+from common.process import after_load, as_program, before_exit
 from services.runner import StageRunner
 from services.servicer import StageServicer
 
@@ -40,6 +40,7 @@ def build_runner(config: StageConfig) -> tuple[StageRunner, str]:
 async def serve(config: StageConfig) -> None:
     log = get_logger("specpipe.stage")
     runner, model_ref = build_runner(config)
+    frozen = after_load()                   # in a program: loading's heap left out of every collection
     servicer = StageServicer(runner, config, model_name=Path(model_ref).name, model_ref=model_ref)
     server = Server([SERVICE_NAME], config.max_message_mb * MiB)
     stage_pb2_grpc.add_StageServicer_to_server(servicer, server.server)
@@ -54,6 +55,7 @@ async def serve(config: StageConfig) -> None:
     log.info("stage serving", stage=config.stage, layers=f"{runner.shard.first}:{runner.shard.last}",
              port=port, next_hop=config.next_hop or "coordinator", dtype=config.dtype, device=config.device,
              stage_time_ms=config.stage_time_ms, tls="mutual" if config.tls.enabled else "off",
+             frozen_objects=frozen,
              **({"coordinator_identity": config.tls_coordinator_name,
                  "forward_identities": ",".join(sorted(config.peer_names.allowed("Forward"))),
                  "peer_template": config.tls_peer_template or "(off)"} if config.tls.enabled else {}))
@@ -117,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    as_program()             # (its heap is frozen once loaded: common/process.py)
     code = main()
     before_exit()            # (not in main(): tests call it in their own process)
     raise SystemExit(code)

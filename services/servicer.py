@@ -25,6 +25,7 @@ from services.config import StageConfig
 from common.grpc_server import channel_options
 from services import metrics
 from common.logs import get_logger
+from common.process import after_load
 from services.model.shard import load_shard
 from services.nodes import ProtocolError
 from services.runner import BatchError, StageRunner
@@ -227,7 +228,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             except asyncio.TimeoutError:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "outputs still queued for the next hop")
             started = time.perf_counter()
-            if (first, last) != (shard.first, shard.last):
+            loaded = (first, last) != (shard.first, shard.last)
+            if loaded:
                 new = await asyncio.to_thread(load_shard, self.model_ref, first, last, shard.dtype, shard.device)
                 runner = StageRunner(new, stage, kv_limit_bytes=self.runner.cache.limit_bytes)
             else:
@@ -246,6 +248,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                         self._channel = None
                 if self._next_hop and self._subscriber is not None:
                     self._subscriber.put_nowait(_END)       # no longer the last stage
+            if loaded:
+                shard = new = None                  # (the old layers go before the heap is frozen again)
+                after_load(replaced=True)
             self.log = log.bind(stage=stage)
             self.log.info("re-partitioned", layers=f"{first}:{last}", num_stages=n,
                           next_hop=request.next_hop or "(last)", seconds=round(time.perf_counter() - started, 2))

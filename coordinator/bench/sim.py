@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import torch
 
+from common.process import after_load
 from services.config import describe_draft_time, parse_draft_time, parse_dtype, parse_stage_time
 from services.model.shard import load_shard
 from services.runner import StageRunner
@@ -40,6 +41,7 @@ def run_simulated(cfg: BenchConfig, log=print) -> dict:
     draft = build_draft(cfg.draft, cfg.model, device=cfg.device)
     tokenizer, _ = load_tokenizer(cfg.model)
     encoder = PromptEncoder(tokenizer)
+    after_load()              # as a service does (common/process.py): no full collection walks the models' heap
     token_ids = [p.get("prompt_token_ids") or encoder.encode(p["prompt"], chat=not p.get("raw", False))
                  for p in prompts]
     ids = itertools.count()

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 from common.logs import configure
 from common.memory import tune_allocator
-from common.process import before_exit
+from common.process import as_program, before_exit
 from common.options import add_flag
 
 if TYPE_CHECKING:                       # imported lazily at run time: `specpipe generate` needs no torch
@@ -186,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> int:
     """The `specpipe` console script: `main`, then the quick way out (`before_exit`; not in `main`, which
-    tests call in their own process)."""
+    tests call in their own process). A program: its heap is frozen once the model has loaded
+    (common/process.py)."""
+    as_program()
     code = main()
     before_exit()
     return code
