@@ -2,9 +2,10 @@
 
 A service's start-up leaves hundreds of thousands of long-lived objects (torch, transformers, the model,
 the tokenizer: ~390,000 in a coordinator holding the default model's draft). Python's cyclic collector walks
-all of them on each full collection, which the allocations of serving trigger every few seconds: ~180 ms
-during which the process does nothing else (2-core dev machine) — at GPU stage times, every stream stalls
-for ~20 tokens' worth. Frozen (`gc.freeze`), they are left out of every collection.
+all of them on each full collection — CPython runs one once the objects that survived since the last reach a
+quarter of those that survived it, so rarely but at no moment of our choosing: ~160-180 ms during which the
+process does nothing else (2-core dev machine), at GPU stage times a stall of some twenty tokens for every
+stream. Frozen (`gc.freeze`), they are left out of every collection.
 
     as_program()     # the entry point: this process is a SpecPipe program, not a test or an embedding app
     ...load the model...
