@@ -249,7 +249,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 if self._next_hop and self._subscriber is not None:
                     self._subscriber.put_nowait(_END)       # no longer the last stage
             if loaded:
-                shard = new = None                  # (the old layers go before the heap is frozen again)
+                shard = None                        # (the old layers go before the heap is frozen again)
                 after_load(replaced=True)
             self.log = log.bind(stage=stage)
             self.log.info("re-partitioned", layers=f"{first}:{last}", num_stages=n,

@@ -16,7 +16,6 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from common.process import after_load
 from services.config import parse_stage_time
 
 from coordinator.bench.common import (OVERRUN, BenchConfig, Regime, Variant, generate_one, load_prompts,
@@ -46,7 +45,6 @@ async def run_bench(cfg: BenchConfig, log=print) -> dict:
                 stages=tuple(stages.addresses), model=cfg.model, draft=cfg.draft, draft_device=cfg.device,
                 max_new_tokens_cap=1 << 20,
                 node_budget=cfg.node_budget, max_active=load_cap, max_queue=load_cap))
-            after_load()           # as the coordinator service does (common/process.py)
             runs: dict[Variant, list[dict]] = {v: [] for v in cfg.variants}
             await generate_one(coordinator, cfg.variants[0], prompts[0], 4)            # warm-up, not counted
             if cfg.load:

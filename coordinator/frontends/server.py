@@ -15,7 +15,7 @@ from common.metrics_http import serve_metrics
 from common.logs import configure, get_logger
 from common.options import service_parser
 from common.tls import TLSFiles
-from common.process import after_load, as_program, before_exit
+from common.process import as_program, before_exit
 
 from coordinator.frontends.grpc_api import ApiTokenInterceptor, GenerationServicer, serving_state
 from coordinator.config import CoordinatorConfig
@@ -98,9 +98,6 @@ class ApiServer(Server):
 async def start(config: CoordinatorConfig, parts: ModelParts | None = None) -> tuple[ApiServer, Coordinator]:
     """Connect a coordinator (with `parts` already loaded, if given) and serve its gRPC API."""
     coordinator = await Coordinator.connect(config, parts)
-    frozen = after_load()              # in a program: the models' heap left out of every collection
-    if frozen:
-        log.info("heap frozen after loading", objects=frozen)
     server = ApiServer(config, coordinator)
     servicer = GenerationServicer(coordinator, config.api_token, config.api_max_concurrent_rpcs,
                                   config.max_per_client, config.stream_write_timeout_s)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from common.logs import get_logger
+from common.process import after_load
 from services.model.loader import resolve_model, stderr_log
 
 from coordinator.config import CoordinatorConfig
@@ -156,8 +157,10 @@ class Coordinator:
         engine = Engine(pipeline, default_method=config.method, spec=spec, admission=admission,
                         batch_timeout_s=config.batch_timeout_s)
         await engine.start()
+        frozen = after_load()         # in a program: the models' heap left out of every collection
         log.info("coordinator connected", stages=len(config.stages), vocab=info.vocab_size,
-                 context=info.max_position, tokenizer=tokenizer is not None, kv_slots=admission.kv_slots)
+                 context=info.max_position, tokenizer=tokenizer is not None, kv_slots=admission.kv_slots,
+                 frozen_objects=frozen)
         coordinator = cls(config, pipeline, engine, PromptEncoder(tokenizer), eos_ids, limits)
         coordinator.generation_defaults = defaults
         return coordinator

@@ -91,5 +91,5 @@ def test_the_programs_freeze_their_heap_and_the_services_do_once_loaded():
         tail = (root / module).read_text().split('if __name__ == "__main__":')[1]
         assert tail.index("as_program()") < tail.index("main()"), module
     assert "after_load()" in (root / "services/server.py").read_text()
-    assert "after_load()" in (root / "coordinator/frontends/server.py").read_text()
+    assert "after_load()" in (root / "coordinator/frontends/service.py").read_text()
     assert "after_load(replaced=True)" in (root / "services/servicer.py").read_text()
