@@ -118,6 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def forked_main(argv: list[str]) -> int:
+    """A stage forked from a launcher's preloaded fork server (`common/forkserver.py`, as `LocalStages` starts
+    them): `python -m services.server argv`, whose parent to outlive none of is the fork server (which exits
+    with the launcher)."""
+    as_program()
+    code = main([*argv, "--parent-pid", str(os.getppid())])
+    before_exit()
+    return code
+
+
 if __name__ == "__main__":
     as_program()             # (its heap is frozen once loaded: common/process.py)
     code = main()

@@ -13,6 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.forkserver import Child
 from coordinator.engine.local import LocalStages
 from helpers.wait import wait_until
 from protos import stage_pb2, stage_pb2_grpc
@@ -56,9 +57,9 @@ async def test_stage_drains_and_exits_cleanly_on_sigterm(tiny_model, monkeypatch
 PARENT = """
 import sys, time
 from coordinator.engine.local import LocalStages
-stages = LocalStages(1, model=sys.argv[1])
+stages = LocalStages(1, model=sys.argv[1], preloaded=sys.argv[2] == "forked")
 stages.start()
-print(stages.procs[0].pid, flush=True)
+print(stages.procs[0].pid, type(stages.procs[0]).__name__, flush=True)
 time.sleep(600)             # killed by the test long before
 """
 
@@ -73,14 +74,19 @@ def alive(pid: int) -> bool:
         return False
 
 
-async def test_a_stage_stops_when_the_process_that_started_it_is_killed(tiny_model, monkeypatch):
+@pytest.mark.parametrize("how", ["forked", pytest.param("plain", marks=pytest.mark.slow)])
+async def test_a_stage_stops_when_the_process_that_started_it_is_killed(tiny_model, monkeypatch, how):
     """`specpipe bench` or `run` killed by SIGKILL (no clean-up runs) leaves no stage process behind: the
-    stage sees it was re-parented and drains as on SIGTERM."""
+    stage sees it was re-parented (a forked stage: its fork server exits with the launcher) and drains as on
+    SIGTERM."""
     monkeypatch.setenv("SPECPIPE_GRACE_S", "1")
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tiny_model)], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tiny_model), how], stdout=subprocess.PIPE,
+                              text=True)
     stage_pid = 0
     try:
-        stage_pid = int(await asyncio.to_thread(parent.stdout.readline))
+        pid, kind = (await asyncio.to_thread(parent.stdout.readline)).split()
+        stage_pid = int(pid)
+        assert kind == {"forked": "Child", "plain": "Popen"}[how]
         assert alive(stage_pid)
         parent.kill()
         parent.wait(30)
@@ -90,3 +96,21 @@ async def test_a_stage_stops_when_the_process_that_started_it_is_killed(tiny_mod
         parent.wait(30)
         if stage_pid and alive(stage_pid):
             os.kill(stage_pid, signal.SIGKILL)
+
+
+def test_stages_are_forked_from_the_preloaded_server_but_not_on_cuda_nor_once_the_import_environment_changed(
+        tiny_model, monkeypatch, tmp_path):
+    """On CUDA an import may have initialised CUDA in the fork server (a forked child could not use it); a
+    variable that torch or the hub read at import, changed since the server started, would not be seen."""
+    kinds = {}
+    for name, device in (("cpu", "cpu"), ("cuda", "cuda")):
+        stages = LocalStages(1, model=str(tiny_model), device=device)
+        stages.start()
+        kinds[name] = type(stages.procs[0])
+        stages.stop()
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    stages = LocalStages(1, model=str(tiny_model))
+    stages.start()
+    kinds["changed"] = type(stages.procs[0])
+    stages.stop()
+    assert kinds == {"cpu": Child, "cuda": subprocess.Popen, "changed": subprocess.Popen}
