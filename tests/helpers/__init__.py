@@ -11,4 +11,5 @@ imports another (tests/test_layout_of_tests.py checks it).
     wait          waiting on a condition with a deadline (instead of sleeping); waiting until nothing is left
     fuzz_harness  real services on a background event loop, for synchronous hypothesis tests
     chart         the Helm chart rendered by the pinned helm; value sets; label selectors
+    forked        programs for the fork server's tests to fork (common/forkserver.py)
 """
