@@ -33,6 +33,26 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 
+def _imported_by_the_fork_server() -> bool:
+    """This module is being imported by multiprocessing's fork server, preloading (`launch` names it first)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "main" and frame.f_code.co_filename == multiprocessing.forkserver.__file__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+if _imported_by_the_fork_server():
+    # The fork server outlives its launcher by its own teardown (~1.5 s with torch imported): holding the
+    # launcher's stdout and stderr, it would keep a reader waiting for their end (`specpipe run --json | jq`,
+    # a test capturing output) that long after the launcher exits. Its children get theirs from `_child`.
+    _null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(_null, 1)
+    os.dup2(_null, 2)
+    os.close(_null)
+
+
 class EnvironmentChanged(RuntimeError):
     """The launch's environment differs from the one the preloaded modules were imported under."""
 
@@ -93,7 +113,7 @@ def launch(target: str, argv: Sequence[str], env: Mapping[str, str], log_path: P
     ctx = multiprocessing.get_context("forkserver")
     with _lock:
         if _server_env is None:
-            ctx.set_forkserver_preload(list(preload))
+            ctx.set_forkserver_preload([__name__, *preload])
             _server_env = _import_env(os.environ)
         if _import_env(env) != _server_env:
             changed = sorted(k for k in _import_env(env).keys() | _server_env.keys()

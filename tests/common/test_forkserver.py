@@ -35,6 +35,8 @@ except subprocess.TimeoutExpired:
     out["timed_out"] = True
 sleeper.kill()
 out["killed"] = sleeper.wait(30)
+server = int(json.loads(log.read_text().splitlines()[0])["ppid"])
+out["stdio"] = {fd: [os.readlink(f"/proc/{pid}/fd/{fd}") for pid in (os.getpid(), server)] for fd in (1, 2)}
 print(json.dumps(out))
 '''
 
@@ -64,6 +66,8 @@ def test_a_forked_child_is_the_program_with_its_argv_env_cwd_session_and_log(tmp
     assert out["code"] == 3
     assert "HF_HOME" in out["refused"]                                  # read at import: refused
     assert out["timed_out"] and out["killed"] == -signal.SIGKILL
+    for fd, (launcher, server) in out["stdio"].items():      # a reader of the launcher's output ends with it
+        assert launcher != os.devnull and server == os.devnull, (fd, launcher, server)
 
 
 ORPHAN = r'''
