@@ -274,11 +274,12 @@ async def _start_local(args: argparse.Namespace, make_config: Callable[[str, lis
               file=sys.stderr, flush=True)
     waiting, loading = None, None
     try:
-        stages.start()
-        print(f"specpipe: starting {args.stages} stage process(es) (logs in {stages.log_dir})", file=sys.stderr)
-        config = make_config(model, stages.addresses)
-        waiting = asyncio.ensure_future(stages.wait_ready(on_ready=on_ready))
+        config = make_config(model, stages.plan())
         loading = _in_daemon_thread(ModelParts.load, config)
+        print(f"specpipe: starting {args.stages} stage process(es) (logs in {stages.log_dir})", file=sys.stderr,
+              flush=True)
+        stages.start()                        # (the draft loads meanwhile: the first launch waits for imports)
+        waiting = asyncio.ensure_future(stages.wait_ready(on_ready=on_ready))
         await asyncio.wait({waiting, loading}, return_when=asyncio.FIRST_EXCEPTION)
         if loading.done():
             loading.result()                  # (raises its error, if it failed, without waiting for the stages)

@@ -66,7 +66,9 @@ class LocalStages:
     _env: dict[str, str] = field(default_factory=dict)
     _stopping: bool = False
 
-    def start(self) -> list[str]:
+    def plan(self) -> list[str]:
+        """Pick the ports and build each stage's arguments, starting nothing: the addresses, known before any
+        stage runs (what a coordinator's config needs while the stages start)."""
         if self.num_stages < 1:
             raise ValueError("--stages must be at least 1")
         self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix="specpipe-"))
@@ -85,6 +87,14 @@ class LocalStages:
                        # no load balancer to give notice to (the notice is grace / 4, at most 1 s)
                        "--grace-s", "2"]
                       for i, port in enumerate(ports)]
+        return self.addresses
+
+    def start(self) -> list[str]:
+        """Start every stage process (planned first if `plan` was not called). The first launch of a process
+        waits for its fork server's imports (~6 s on 2 cores): whatever should load meanwhile (a draft) is
+        started before this, on a thread of its own."""
+        if not self._args:
+            self.plan()
         self.procs = []
         for i in range(self.num_stages):       # one by one: stop() reaches those started if a launch fails
             self.procs.append(self._launch(i, "w"))
@@ -120,7 +130,7 @@ class LocalStages:
                     backoff[i] = 0.0
                 log.warning("stage process exited: restarting it", stage=i, exit_code=proc.returncode,
                             restarts=self.restarts[i] + 1, log=str(self.log_path(i)))
-                self.procs[i] = self._launch(i, "a")
+                self.procs[i] = await asyncio.to_thread(self._launch, i, "a")   # (a fork server may start)
                 self.restarts[i] += 1
                 started[i] = time.monotonic()
                 backoff[i] = min(max_backoff_s, max(1.0, backoff[i] * 2))
