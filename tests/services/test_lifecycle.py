@@ -105,7 +105,10 @@ def test_stages_are_forked_from_the_preloaded_server_but_not_on_cuda_nor_once_th
     kinds = {}
     for name, device in (("cpu", "cpu"), ("cuda", "cuda")):
         stages = LocalStages(1, model=str(tiny_model), device=device)
+        planned = stages.plan()                      # the addresses first, nothing started
+        assert stages.procs == [] and planned == stages.addresses
         stages.start()
+        assert stages.addresses == planned and stages.procs[0].poll() is None
         kinds[name] = type(stages.procs[0])
         stages.stop()
     monkeypatch.setenv("HF_HOME", str(tmp_path))
