@@ -12,11 +12,12 @@ forks it (a copy-on-write copy, torch already imported) and runs `target(argv)` 
 The child is what `python -m <program> argv` would be: its own session (`setsid`, as `start_new_session`),
 stdout and stderr appended to `log_path`, the environment `env`, the working directory `cwd`. What the
 preloaded modules read from the environment when they were imported (cache folders, thread and CUDA
-settings: `IMPORT_ENV`) is the fork server's: `launch` refuses (`EnvironmentChanged`; the caller starts a plain
-process) when `env` differs there from the environment the server was started with. The fork server exits once the process that started it and
-every child it forked have closed their end of its "alive" pipe: a child closes its end at once, so that a
-launcher that dies (even by SIGKILL) takes the fork server with it, and the children, re-parented, can see
-it (a stage's `--parent-pid`).
+settings: `IMPORT_ENV`) is the fork server's: `launch` refuses (`EnvironmentChanged`; the caller starts a
+plain process) when `env` differs there from the environment the server was started with. The fork server
+exits once the process that started it and every child it forked have closed their end of its "alive" pipe:
+a child closes its end at once, so that a launcher that dies (even by SIGKILL) takes the fork server with it,
+and the children, re-parented, can see it (a stage's `--parent-pid`). The fork server's own stdout and stderr
+go to /dev/null, not the launcher's.
 """
 from __future__ import annotations
 
@@ -93,8 +94,8 @@ class Child:
 
 # Variables that torch, transformers, safetensors, huggingface_hub, OpenMP or the loader read when imported
 # (by prefix); the others are read when used, in the child, from `env`.
-IMPORT_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "SAFETENSORS_", "TORCH", "PYTORCH_", "CUDA_", "NCCL_", "NVIDIA_",
-              "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "LD_", "PYTHON", "XDG_", "HOME")
+IMPORT_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "SAFETENSORS_", "TORCH", "PYTORCH_", "CUDA_", "NCCL_",
+              "NVIDIA_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "LD_", "PYTHON", "XDG_", "HOME")
 
 _lock = threading.Lock()
 _server_env: dict[str, str] | None = None        # IMPORT_ENV's values when the fork server was started
