@@ -10,6 +10,7 @@ emulated step (`compute_ms_per_step` > cores x emulated stage time: `machine_bou
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import time
@@ -25,7 +26,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.core.vocabulary import DRAFTS
 from coordinator.engine.local import LocalStages
 from coordinator.core.schedulers.registry import Speculation
-from coordinator.frontends.service import Coordinator
+from coordinator.frontends.service import Coordinator, ModelParts
 
 
 async def run_bench(cfg: BenchConfig, log=print) -> dict:
@@ -37,14 +38,15 @@ async def run_bench(cfg: BenchConfig, log=print) -> dict:
     for num_stages in cfg.stages:
         stages = LocalStages(num_stages, model=cfg.model, dtype=cfg.dtype, device=cfg.device,
                              threads=cfg.threads, stage_time_ms=cfg.stage_time_ms)
-        stages.start()
+        config = CoordinatorConfig(stages=tuple(stages.plan()), model=cfg.model, draft=cfg.draft,
+                                   draft_device=cfg.device, max_new_tokens_cap=1 << 20,
+                                   node_budget=cfg.node_budget, max_active=load_cap, max_queue=load_cap)
+        loading = asyncio.ensure_future(asyncio.to_thread(ModelParts.load, config))   # beside the stages' start
         coordinator = None
         try:
+            stages.start()
             await stages.wait_ready()
-            coordinator = await Coordinator.connect(CoordinatorConfig(
-                stages=tuple(stages.addresses), model=cfg.model, draft=cfg.draft, draft_device=cfg.device,
-                max_new_tokens_cap=1 << 20,
-                node_budget=cfg.node_budget, max_active=load_cap, max_queue=load_cap))
+            coordinator = await Coordinator.connect(config, await loading)
             runs: dict[Variant, list[dict]] = {v: [] for v in cfg.variants}
             await generate_one(coordinator, cfg.variants[0], prompts[0], 4)            # warm-up, not counted
             if cfg.load:
@@ -63,6 +65,7 @@ async def run_bench(cfg: BenchConfig, log=print) -> dict:
             if coordinator is not None:
                 await coordinator.close()
             stages.stop()
+            await asyncio.gather(loading, return_exceptions=True)     # (a stage failed: no load left running)
     result = {"config": {k: v for k, v in asdict(cfg).items() if k != "variants"} | {
         "variants": [v.label for v in cfg.variants], "num_prompts_used": len(prompts),
         "emulated_stage_time": cfg.stage_time_ms != "0", "machine_cores": machine_cores(),
