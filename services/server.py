@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def forked_main(argv: list[str]) -> int:
     """A stage forked from a launcher's preloaded fork server (`common/forkserver.py`, as `LocalStages` starts
-    them): `python -m services.server argv`, whose parent to outlive none of is the fork server (which exits
-    with the launcher)."""
+    them): `python -m services.server argv`, watching the fork server as its parent (`--parent-pid`: the fork
+    server exits with the launcher, however the launcher ends)."""
     as_program()
     return main([*argv, "--parent-pid", str(os.getppid())])   # (then os._exit: no teardown to speed up)
 

@@ -10,7 +10,11 @@ import torch
 
 from helpers.models import make_tiny_llama, reference_model
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Each pytest-xdist worker takes its share of the cores: torch's OpenMP threads beyond the cores spin against
+# each other's (a rejection-sampling test of tiny tensors took 61 s with 2 threads beside another 2-thread torch
+# process on 2 cores, 27 s with 1; 15 s and 18 s alone).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("SPECPIPE_LOG_FORMAT", "console")
