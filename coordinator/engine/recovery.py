@@ -131,11 +131,11 @@ class Recovery:
         started = time.monotonic()
         log.warning("stage failure: recovering", error=str(error), running=len(p.engine.admission.active),
                     timeout_s=self.timeout_s)
-        orphans = await p.suspend(failed)
         self._gave_up, self._why = False, str(error)
         give_up = asyncio.get_running_loop().call_later(self.timeout_s, self._give_up)   # whatever hangs
         attempt = 0
         try:
+            orphans = await p.suspend(failed)
             while True:
                 try:
                     pipeline = await self._reconnect(self._addresses, orphans, self.attempt_timeout_s)

@@ -21,7 +21,7 @@ from coordinator.frontends.service import Coordinator, GenerateInput
 from helpers.reference import hf_greedy
 from helpers.stage_servers import stage_servers
 from helpers.wait import wait_until, wait_until_empty
-from common.batch import MicroBatch, Segment
+from common.batch import Control, MicroBatch, Segment
 from common.sampling import Sampling
 
 
@@ -45,6 +45,24 @@ def test_a_segment_that_cannot_be_encoded_travels_as_a_failed_segment():
     assert list(msg.segments[0].token_ids) == [5] and not msg.segments[0].error
     assert not msg.segments[1].node_ids and msg.segments[1].error_code == 3
     assert "cannot be sent to the stages" in msg.segments[1].error and msg.segments[1].error_stage == -1
+
+
+@pytest.mark.grpc
+async def test_writes_under_way_when_a_just_opened_pipeline_is_aborted_end_at_once(tiny_model):
+    """A failure right after a recovery opened a pipeline (a stage that flaps): the engine's first injection and
+    broadcast are being written while the pipeline is aborted. They end with an error at once; before, a write
+    that waited for its stream's metadata never woke, and the engine's suspend waited for it for ever."""
+    async with stage_servers(str(tiny_model), 2) as (addrs, _):
+        for attempt in range(3):
+            pipeline = GrpcPipeline(list(addrs), probe_interval_s=0)
+            await pipeline.start()
+            writes = [asyncio.create_task(pipeline.inject(MicroBatch(attempt, [Segment("r", [0], [-1], [0], [5],
+                                                                                         [True])]))),
+                      asyncio.create_task(pipeline.broadcast(Control("r", release=True)))]
+            await asyncio.sleep(0)              # both writes start before the abort
+            await pipeline.abort()
+            done, _ = await asyncio.wait(writes, timeout=10)
+            assert len(done) == 2, f"a write still waits after the abort (attempt {attempt})"
 
 
 @pytest.mark.grpc

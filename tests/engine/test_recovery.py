@@ -340,21 +340,24 @@ async def test_a_hung_stage_is_noticed_by_the_health_probe(tiny_model, tiny_hf):
         stages.stop()
 
 
-async def test_the_recovery_timeout_holds_even_when_a_step_of_the_recovery_is_slow(tiny_model, tiny_hf):
-    """A reconnect step that hangs past --recovery-timeout-s (a stage slow to answer its Results stream):
-    the held streams end with UNAVAILABLE while it still hangs; once it ends, serving resumes."""
+@pytest.mark.parametrize("slow", ["open", "suspend"])
+async def test_the_recovery_timeout_holds_even_when_a_step_of_the_recovery_is_slow(slow, tiny_model, tiny_hf):
+    """A recovery step that hangs past --recovery-timeout-s (`open`: a stage slow to answer its Results stream;
+    `suspend`: taking the failed pipeline down, its first step): the held streams end with UNAVAILABLE while it
+    still hangs; once it ends, serving resumes."""
     from coordinator.frontends.service import Coordinator, GenerateInput, GenerationFailed
     from helpers.stage_servers import stage_servers
     async with stage_servers(str(tiny_model), 2, stage_time_ms="20") as (addrs, _):
         coord = await Coordinator.connect(CoordinatorConfig(stages=tuple(addrs), model=str(tiny_model),
                                                             recovery_timeout_s=1, probe_interval_s=0))
-        plain_open = coord.open_pipeline
         step_may_end = asyncio.Event()
+        owner, name = (coord, "open_pipeline") if slow == "open" else (coord.engine, "suspend")
+        plain_step = getattr(owner, name)
 
-        async def slow_open(addresses):          # ends only when the test says so
+        async def slow_step(*args):              # ends only when the test says so
             await step_may_end.wait()
-            return await plain_open(addresses)
-        coord.open_pipeline = slow_open
+            return await plain_step(*args)
+        setattr(owner, name, slow_step)
         try:
             got: list[int] = []
 

@@ -89,6 +89,10 @@ class GrpcPipeline:
         streams = [(0, "forward", self._forward), *((i, "control", c) for i, c in enumerate(self._controls))]
         for i, what, call in streams:
             call.add_done_callback(lambda c, w=f"{what} stream to stage {i} ({self.addresses[i]})": self._ended(c, w))
+        # a write waits for its stream's metadata to be sent, and never wakes if the call is cancelled before
+        # (grpcio 1.85: _StreamRequestMixin._write): with the streams opened here, an abort cannot strand one
+        await asyncio.wait_for(asyncio.gather(*(call.wait_for_connection() for _, _, call in streams)),
+                               timeout=self.connect_timeout_s)
         if self.probe_interval_s > 0:
             self._watchers.append(asyncio.create_task(self._probe()))
 
