@@ -34,6 +34,7 @@ from common.wire import batch_from_proto, batch_to_proto, control_from_proto
 
 log = get_logger(__name__)
 _END = object()
+HOP_CONNECT_S = 5.0     # how long a new Forward stream may take to reach the next hop before a retry
 
 
 class StageServicer(stage_pb2_grpc.StageServicer):
@@ -140,11 +141,12 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             for attempt in range(5):
                 try:
                     if call is None:
-                        call = self._open_forward()
+                        call = await self._connect_forward()
                     await call.write(msg)
                     metrics.SENT_BYTES.labels(str(self.config.stage), "next_stage").inc(msg.ByteSize())
                     break
-                except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as e:
+                except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError,
+                        asyncio.TimeoutError) as e:
                     self.log.warning("forward to next hop failed", next_hop=self._next_hop, attempt=attempt,
                                      error=str(e))
                     call = None
@@ -154,11 +156,21 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                                next_hop=self._next_hop)
         await _finish_call(call)
 
-    def _open_forward(self):
+    async def _connect_forward(self):
+        """A Forward stream to the next hop, once it reached it (within HOP_CONNECT_S, else TimeoutError). A
+        write on a stream that has not reached its peer waits until it does, and is never woken if the hop is
+        gone for good (grpcio 1.85: a cancelled call does not wake it): the send loop would hang there, deaf
+        to a Configure that names another next hop."""
         if self._channel is None:
             self._channel = open_channel(self._next_hop, self.config.tls,
                                          channel_options(self.config.max_message_mb * 1024 * 1024))
-        return stage_pb2_grpc.StageStub(self._channel).Forward(wait_for_ready=True)
+        call = stage_pb2_grpc.StageStub(self._channel).Forward(wait_for_ready=True)
+        try:
+            await asyncio.wait_for(call.wait_for_connection(), HOP_CONNECT_S)
+        except BaseException:
+            call.cancel()
+            raise
+        return call
 
     async def Results(self, request, context):
         await require_peer(context, "Results", self._peers)

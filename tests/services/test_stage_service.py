@@ -1,6 +1,8 @@
 """The stage service over real gRPC: malformed input is refused per request, the stage stays up."""
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 import torch
@@ -9,7 +11,7 @@ from helpers.pipe import Pipe, prefill
 from helpers.stage_servers import stage_servers
 from protos import common_pb2, stage_pb2, stage_pb2_grpc
 from common.batch import Control, MicroBatch, Segment
-from common.wire import batch_to_proto
+from common.wire import batch_to_proto, control_to_proto
 
 pytestmark = pytest.mark.grpc
 
@@ -138,3 +140,39 @@ async def test_a_compute_failure_fails_only_that_micro_batch_with_internal(tiny_
             monkeypatch.setattr(servicers[1].runner, "step", real_step)
             out = await pipe.send(prefill("after", [5, 6, 7]))          # the same streams keep working
             assert len(out.argmax) == 1 and not out.segments[0].error
+
+
+async def test_a_next_hop_that_never_answers_does_not_stall_the_stage(tiny_model, monkeypatch):
+    """Configure named a next hop that is gone for good (a pod removed): the stage retries its outputs for a
+    bounded time, and once Configure names a next hop that answers, what it computes next arrives there. Before,
+    the send loop waited for ever on its first write to the dead hop, deaf to the Configure."""
+    from coordinator.engine.local import free_port
+    monkeypatch.setattr("services.servicer.HOP_CONNECT_S", 0.2)
+    async with stage_servers(str(tiny_model), 2) as (addrs, _):
+        async with Pipe(addrs) as pipe:
+            async def configure(next_hop: str) -> None:
+                info = await pipe.stubs[0].Info(stage_pb2.InfoRequest(), timeout=10)
+                await pipe.stubs[0].Configure(stage_pb2.ConfigureRequest(
+                    stage=0, num_stages=2, first_layer=info.first_layer, last_layer=info.last_layer,
+                    next_hop=next_hop), timeout=30)
+
+            await configure(f"127.0.0.1:{free_port()}")             # nothing listens there
+            call = pipe.stubs[0].Forward()
+            await call.write(prefill("stranded", [5, 6, 7]))
+            await call.done_writing()
+            await call
+            release = pipe.stubs[0].Control()                       # stage 0 holds nothing: Configure may run
+            await release.write(control_to_proto(Control("stranded", release=True)))
+            await release.done_writing()
+            await release
+            await configure(addrs[1])
+            call = pipe.stubs[0].Forward()
+            await call.write(prefill("after", [8, 9]))
+            await call.done_writing()
+            await call
+            seen = []
+            while "after" not in seen:               # "stranded" may come first: retried once the hop answers
+                out = await asyncio.wait_for(pipe.results.read(), timeout=20)
+                seen += [s.request_id for s in out.segments]
+                assert not any(s.error for s in out.segments)
+            assert set(seen) <= {"stranded", "after"}
