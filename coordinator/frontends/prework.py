@@ -34,11 +34,16 @@ class Prework:
     def busy(self) -> int:
         return self.clients.total()
 
-    async def run(self, client: str, fn: Callable[..., T], *args: Any) -> T:
+    def admit(self, client: str) -> None:
+        """Raise Overloaded where a job of `client` would be refused now (`run` checks again): for work that
+        is all pre-admission (/tokenize), refused before its body is even read."""
         if self.busy >= self.limit:
             raise Overloaded(f"{self.limit} requests are being prepared (tokenised, parsed); retry shortly")
         if self.per_client and client and self.clients[client] >= self.per_client:
             raise Overloaded(f"this client has {self.per_client} requests being prepared; retry when one is done")
+
+    async def run(self, client: str, fn: Callable[..., T], *args: Any) -> T:
+        self.admit(client)
         self.clients[client] += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))

@@ -87,6 +87,42 @@ async def test_a_full_prework_pool_refuses_text_work_but_never_token_ids(chat_mo
             await coord.close()
 
 
+async def test_a_full_prework_pool_refuses_tokenize_before_reading_its_body(chat_model):
+    """/tokenize and /detokenize are pre-admission work only: with the pool full they are refused with 429
+    before their body is read or parsed (a body that is not JSON gets 429, not 400), which keeps a flood's
+    refusals cheap for the event loop that also streams tokens. Once the pool has room, the same body is a 400."""
+    import threading
+    import aiohttp
+    from helpers.stage_servers import stage_servers
+    async with stage_servers(str(chat_model), 2) as (addrs, _):
+        cfg = CoordinatorConfig(stages=tuple(addrs), model=str(chat_model), port=0, prework_limit=1)
+        server, coord = await start(cfg)
+        http = await start_http(cfg, coord, port=0)
+        gate = threading.Event()
+        held = asyncio.create_task(coord.prework.run("flood", gate.wait, 30))
+        try:
+            async with aiohttp.ClientSession() as session:
+                async def status(path: str, body: bytes) -> int:
+                    async with session.post(f"http://127.0.0.1:{http.port}{path}", data=body,
+                                            headers={"Content-Type": "application/json"}) as resp:
+                        await resp.read()
+                        return resp.status
+                while not coord.prework.busy:
+                    await asyncio.sleep(0)
+                assert await status("/tokenize", b"{not json") == 429
+                assert await status("/detokenize", b"{not json") == 429
+                gate.set()
+                await held
+                assert await status("/tokenize", b"{not json") == 400
+                assert await status("/tokenize", json.dumps({"prompt": "hello"}).encode()) == 200
+        finally:
+            gate.set()
+            await held
+            await http.stop()
+            await server.stop(0)
+            await coord.close()
+
+
 @pytest.mark.timing
 async def test_a_tokenize_flood_leaves_a_streams_pace_within_twice_its_quiet_value(chat_model, tiny_hf):
     prompt = [5, 6, 7]

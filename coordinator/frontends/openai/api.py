@@ -196,6 +196,13 @@ class OpenAIServer:
         except Overloaded as e:
             raise ApiError(429, str(e), "rate_limit_error", code="rate_limit_exceeded") from None
 
+    def _admit(self, request: web.Request) -> None:
+        """429 at once where `_prework` would refuse this caller now."""
+        try:
+            self.coordinator.prework.admit(client_identity(self._token, request.remote or ""))
+        except Overloaded as e:
+            raise ApiError(429, str(e), "rate_limit_error", code="rate_limit_exceeded") from None
+
     async def _body(self, request: web.Request) -> dict[str, Any]:
         raw = await self._read(request)
         try:
@@ -242,11 +249,13 @@ class OpenAIServer:
         return await self._generate(request, req, chat=True)
 
     async def tokenize(self, request: web.Request) -> web.Response:
+        self._admit(request)                # all of it is pre-admission work: refused before the body is read
         body, ctx, strs = await self._body(request), self._context(), self.prompts.token_strs
         text = await self._prework(request, lambda: json.dumps(tokenize(body, ctx, strs)))   # a long list of ids
         return web.Response(text=text, content_type="application/json")
 
     async def detokenize(self, request: web.Request) -> web.Response:
+        self._admit(request)
         body = await self._body(request)
         out = await self._prework(request, detokenize, body, self._context(), self.coordinator.limits.vocab_size,
                                   self.prompts.decode)
