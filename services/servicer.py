@@ -148,7 +148,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError,
                         asyncio.TimeoutError) as e:
                     self.log.warning("forward to next hop failed", next_hop=self._next_hop, attempt=attempt,
-                                     error=str(e))
+                                     error=str(e) or type(e).__name__)
                     call = None
                     await asyncio.sleep(0.05 * 2 ** attempt)
             else:

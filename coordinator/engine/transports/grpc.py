@@ -91,8 +91,12 @@ class GrpcPipeline:
             call.add_done_callback(lambda c, w=f"{what} stream to stage {i} ({self.addresses[i]})": self._ended(c, w))
         # a write waits for its stream's metadata to be sent, and never wakes if the call is cancelled before
         # (grpcio 1.85: _StreamRequestMixin._write): with the streams opened here, an abort cannot strand one
-        await asyncio.wait_for(asyncio.gather(*(call.wait_for_connection() for _, _, call in streams)),
-                               timeout=self.connect_timeout_s)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(call.wait_for_connection() for _, _, call in streams)),
+                                   timeout=self.connect_timeout_s)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
+            why = e.details() if isinstance(e, grpc.aio.AioRpcError) else f"not within {self.connect_timeout_s:g} s"
+            raise PipelineError(f"cannot open the streams to the stages {self.addresses}: {why}") from e
         if self.probe_interval_s > 0:
             self._watchers.append(asyncio.create_task(self._probe()))
 
