@@ -19,6 +19,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.engine.local import LocalStages
 from coordinator.frontends.server import start, start_http
 from helpers.reference import hf_greedy
+from helpers.wait import wait_until
 from protos import generation_pb2, generation_pb2_grpc
 
 pytestmark = pytest.mark.grpc
@@ -69,8 +70,7 @@ async def test_a_full_prework_pool_refuses_text_work_but_never_token_ids(chat_mo
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
                 stub = generation_pb2_grpc.GenerationStub(ch)
-                while not coord.prework.busy:
-                    await asyncio.sleep(0)
+                await wait_until(lambda: coord.prework.busy, what="the held job in the pool")
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     async for _ in stub.Generate(generation_pb2.GenerateRequest(prompt="hello", max_new_tokens=4),
                                                  timeout=30):
@@ -107,8 +107,7 @@ async def test_a_full_prework_pool_refuses_tokenize_before_reading_its_body(chat
                                             headers={"Content-Type": "application/json"}) as resp:
                         await resp.read()
                         return resp.status
-                while not coord.prework.busy:
-                    await asyncio.sleep(0)
+                await wait_until(lambda: coord.prework.busy, what="the held job in the pool")
                 assert await status("/tokenize", b"{not json") == 429
                 assert await status("/detokenize", b"{not json") == 429
                 gate.set()

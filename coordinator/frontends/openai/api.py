@@ -43,9 +43,11 @@ from common.logs import get_logger
 from coordinator.frontends.grpc_api import client_identity, serving_state
 from coordinator.frontends.openai.extras import REQUEST_ID_HEADER, client_request_id, detokenize, tokenize
 from coordinator.frontends.openai.prompt import Prompts
-from coordinator.frontends.openai.schema import (ApiError, OpenAIRequest, ParseContext, chunk, completion,
-                                       from_generation_error, parse_chat, parse_completion, usage)
+from coordinator.frontends.openai.schema import (GRPC_TO_HTTP, ApiError, OpenAIRequest, ParseContext, chunk,
+                                                 completion, from_generation_error, parse_chat, parse_completion,
+                                                 usage)
 from coordinator.core.admission import Overloaded
+from coordinator.core.status import Status
 from coordinator.core.validate import InvalidRequest
 from coordinator.frontends.service import Chunk, Coordinator, GenerationFailed
 
@@ -55,6 +57,12 @@ MAX_BODY_BYTES = 4 * 1024 * 1024        # default body cap (the coordinator pass
 INLINE_JSON_BYTES = 64 * 1024           # bodies up to this are parsed on the event loop, larger in a thread
 RID = web.RequestKey("request_id", str)                # the request's own id (engine, logs, the answer's `id`)
 ECHO_ID = web.RequestKey("echo_id", str)        # what X-Request-Id echoes: the client's id, else RID
+
+
+def _rate_limited(message: str) -> ApiError:
+    """A 429 in OpenAI's shape (the mapping of RESOURCE_EXHAUSTED that failed generations use too)."""
+    status, type_, code = GRPC_TO_HTTP[Status.RESOURCE_EXHAUSTED]
+    return ApiError(status, message, type_, code=code)
 
 
 def served_model_name(model: str) -> str:
@@ -143,8 +151,7 @@ class OpenAIServer:
                     raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <token>')",
                                    code="invalid_api_key")
             if guarded and self.in_progress >= self.max_in_progress:
-                raise ApiError(429, f"{self.max_in_progress} requests are in progress (--api-max-concurrent-rpcs)",
-                               "rate_limit_error", code="rate_limit_exceeded")
+                raise _rate_limited(f"{self.max_in_progress} requests are in progress (--api-max-concurrent-rpcs)")
             self.in_progress += guarded
             try:
                 resp = await handler(request)
@@ -192,16 +199,19 @@ class OpenAIServer:
         """`fn(*args)` on the coordinator's bounded pre-admission pool (coordinator/frontends/prework.py),
         counted for the caller: 429 when it is full."""
         try:
-            return await self.coordinator.prework.run(client_identity(self._token, request.remote or ""), fn, *args)
+            return await self.coordinator.prework.run(self._client(request), fn, *args)
         except Overloaded as e:
-            raise ApiError(429, str(e), "rate_limit_error", code="rate_limit_exceeded") from None
+            raise _rate_limited(str(e)) from None
 
     def _admit(self, request: web.Request) -> None:
         """429 at once where `_prework` would refuse this caller now."""
         try:
-            self.coordinator.prework.admit(client_identity(self._token, request.remote or ""))
+            self.coordinator.prework.admit(self._client(request))
         except Overloaded as e:
-            raise ApiError(429, str(e), "rate_limit_error", code="rate_limit_exceeded") from None
+            raise _rate_limited(str(e)) from None
+
+    def _client(self, request: web.Request) -> str:
+        return client_identity(self._token, request.remote or "")
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
         raw = await self._read(request)
@@ -265,7 +275,7 @@ class OpenAIServer:
     async def _generate(self, request: web.Request, req: OpenAIRequest, chat: bool) -> web.StreamResponse:
         request_id = request[RID]
         req.inp.request_id = request_id
-        req.inp.client = client_identity(self._token, request.remote or "")
+        req.inp.client = self._client(request)
         oid = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         theirs = {} if request[ECHO_ID] == request_id else {"client_request_id": request[ECHO_ID]}
         with structlog.contextvars.bound_contextvars(request_id=request_id, **theirs):
