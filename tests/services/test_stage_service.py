@@ -161,7 +161,8 @@ async def test_a_next_hop_that_never_answers_does_not_stall_the_stage(tiny_model
             await call.write(prefill("stranded", [5, 6, 7]))
             await call.done_writing()
             await call
-            release = pipe.stubs[0].Control()                       # stage 0 holds nothing: Configure may run
+            # released on stage 0 only (then Configure may run there): stage 1 would refuse the stranded batch
+            release = pipe.stubs[0].Control()
             await release.write(control_to_proto(Control("stranded", release=True)))
             await release.done_writing()
             await release
