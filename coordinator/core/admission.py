@@ -62,7 +62,7 @@ class Admission:
         if request_id in self.active or request_id in self.queue:
             raise ValueError(f"request id {request_id} is already admitted")
         if client and self.max_per_client:
-            held = sum(1 for c in self.client_of.values() if c == client)
+            held = self.held_by(client)
             if held >= self.max_per_client:
                 raise Overloaded(f"this client already has {held} requests running or queued (limit "
                                  f"{self.max_per_client}); retry when one ends")
@@ -80,6 +80,10 @@ class Admission:
         if client:
             self.client_of[request_id] = client
         return request_id in self.active
+
+    def held_by(self, client: str) -> int:
+        """Requests of `client` running or queued."""
+        return sum(1 for c in self.client_of.values() if c == client)
 
     def release(self, request_id: str) -> list[str]:
         """A request ended (or left the queue); returns the queued requests that may start now, in order."""

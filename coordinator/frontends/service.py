@@ -105,7 +105,8 @@ class Coordinator:
         self.num_layers = pipeline.infos[0].num_layers_total
         self.encoder, self.eos_ids, self.limits = encoder, eos_ids, limits
         # tokenising, templates, JSON: bounded, on threads of their own (not the engine's executor)
-        self.prework = Prework(limit=config.prework_limit, per_client=config.max_per_client)
+        self.prework = Prework(limit=config.prework_limit, per_client=config.max_per_client,
+                               held=engine.admission.held_by)
         # the one owner of the live pipeline; `open_pipeline` looked up at each call (tests replace it)
         self.pipelines: Pipelines[GrpcPipeline] = Pipelines(
             engine, pipeline, lambda addresses: self.open_pipeline(addresses), kv_slots, self.num_layers, config.tls)

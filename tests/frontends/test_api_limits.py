@@ -223,6 +223,35 @@ async def test_the_per_client_limit_refuses_the_third_request_of_a_client_but_se
 
 
 @pytest.mark.grpc
+async def test_a_client_at_its_limit_is_refused_before_its_prompt_is_prepared(tiny_model):
+    """Limit 1: with a request of 127.0.0.1 running (over HTTP), a text prompt from that address is refused over
+    gRPC and over HTTP before any of its pre-admission work (RESOURCE_EXHAUSTED / 429): the client's running
+    and queued requests count with its requests being prepared. Before, it was tokenised first and refused by
+    the admission after (here, with no tokenizer: INVALID_ARGUMENT / 400)."""
+    async with serving(tiny_model, stage_time_ms="100", max_per_client=1) as s:
+        body = {"prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True, "stream": True, "return_token_ids": True}
+        async with aiohttp.ClientSession() as h:
+            running = await h.post(s.url + "/completions", json=body)
+            try:
+                assert running.status == 200 and (await running.content.readline()).startswith(b"data: ")
+                assert list(s.coord.engine.admission.client_of.values()) == ["127.0.0.1"]
+                prepared, prepare = [], s.coord.prepare
+                s.coord.prepare = lambda inp: (prepared.append(inp.prompt), prepare(inp))[1]
+                async with grpc.aio.insecure_channel(s.grpc_addr) as ch:
+                    text = generation_pb2.GenerateRequest(prompt="hello there", max_new_tokens=2)
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        [m async for m in generation_pb2_grpc.GenerationStub(ch).Generate(text, timeout=30)]
+                assert err.value.code() == Code.RESOURCE_EXHAUSTED
+                assert "being prepared, running or queued (--max-per-client)" in err.value.details()
+                async with h.post(s.url + "/completions", json={"prompt": "hello there", "max_tokens": 2}) as r:
+                    assert r.status == 429
+                    assert "being prepared, running or queued" in (await r.json())["error"]["message"]
+                assert prepared == [] and s.coord.prework.busy == 0
+            finally:
+                running.close()
+
+
+@pytest.mark.grpc
 async def test_with_a_token_the_token_is_the_client(tiny_model):
     """Every caller with the token is one client, whatever its address."""
     async with serving(tiny_model, stage_time_ms="100", max_per_client=2, api_token="s3cret") as s:

@@ -41,3 +41,23 @@ async def test_prework_runs_on_its_own_threads_not_the_default_executor():
     name = await prework.run("", lambda: threading.current_thread().name)
     assert name.startswith("specpipe-prework")
     prework.close()
+
+
+async def test_a_clients_admitted_requests_count_with_its_work_in_preparation():
+    """per_client 2: a client holding one admitted request may have one more being prepared, not two; one
+    holding two may have none; another client is not affected."""
+    admitted = {"a": 1, "b": 2}
+    prework = Prework(threads=2, limit=8, per_client=2, held=lambda client: admitted.get(client, 0))
+    gate = threading.Event()
+    held = asyncio.create_task(prework.run("a", gate.wait, 10))
+    await asyncio.sleep(0)
+    with pytest.raises(Overloaded, match="this client has 2 requests being prepared, running or queued"):
+        await prework.run("a", str, "a2")
+    with pytest.raises(Overloaded, match="this client has 2"):
+        prework.admit("b")
+    assert await prework.run("c", str, "c1") == "c1"
+    gate.set()
+    assert await held is True
+    admitted["a"] = 0
+    assert await prework.run("a", str, "a2") == "a2"
+    prework.close()
