@@ -77,7 +77,8 @@ class CoordinatorConfig(SpecConfig, TLSOptions):
     api_max_concurrent_rpcs: int = option(512, "Generate streams the public gRPC API serves at once, and requests "
                                                "the HTTP API serves at once; more are refused with "
                                                "RESOURCE_EXHAUSTED / 429 (health, and gRPC health Watch streams, "
-                                               "at most 8 per client address and 128 in all, are counted apart)")
+                                               "at most 8 per client address and 128 in all, are counted apart); "
+                                               "the HTTP API holds twice this many connections at most")
     http_timeout_s: float = option(30.0, "HTTP API: a request's headers and body must arrive within this")
     prework_limit: int = option(64, "requests being tokenised or parsed (chat templates, large JSON, /tokenize) at "
                                     "once, on threads of their own; more are refused with RESOURCE_EXHAUSTED / "

@@ -360,6 +360,49 @@ async def test_an_authorization_header_that_is_not_utf8_is_401_not_500(tiny_mode
         assert status_line.split()[1] == b"401", status_line
 
 
+async def test_http_requests_in_progress_and_connections_are_capped(tiny_model):
+    """--api-max-concurrent-rpcs 2: with two streams in progress a third API request gets 429 while /health
+    answers; the server holds at most twice that, 4 connections: a fifth is closed as soon as it is made,
+    and once one of them closes a new one is served."""
+    async with serving(tiny_model, stage_time_ms="100", api_max_concurrent_rpcs=2) as s:
+        body = {"prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True, "stream": True, "return_token_ids": True}
+        url = f"http://127.0.0.1:{s.http.port}"
+        async with aiohttp.ClientSession() as h:
+            streams = [await h.post(s.url + "/completions", json=body) for _ in range(2)]
+            idle: list[asyncio.StreamWriter] = []
+            try:
+                for r in streams:
+                    assert r.status == 200 and (await r.content.readline()).startswith(b"data: ")
+                async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as once:
+                    async with once.post(s.url + "/completions", json={"prompt": [1], "max_tokens": 2}) as r:
+                        assert r.status == 429
+                        assert "2 requests are in progress" in (await r.json())["error"]["message"]
+                    async with once.get(url + "/health") as r:
+                        assert r.status == 200
+                await wait_until(lambda: s.http.connections == 2, what="the closed connections are gone")
+                for _ in range(2):                    # idle connections count: no request sent on them
+                    idle.append((await asyncio.open_connection("127.0.0.1", s.http.port))[1])
+                await wait_until(lambda: s.http.connections == 4, what="four connections open")
+                reader, writer = await asyncio.open_connection("127.0.0.1", s.http.port)
+                writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                try:
+                    got = await asyncio.wait_for(reader.read(), 10)
+                except ConnectionResetError:
+                    got = b""
+                writer.close()
+                assert got == b"", "the fifth connection is closed unanswered"
+                idle.pop().close()
+                await wait_until(lambda: s.http.connections == 3, what="an idle connection closed")
+                async with aiohttp.ClientSession() as again:
+                    async with again.get(url + "/health") as r:
+                        assert r.status == 200
+            finally:
+                for w in idle:
+                    w.close()
+                for r in streams:
+                    r.close()
+
+
 class StreamContext:
     """The parts of a grpc.aio.ServicerContext that GenerationServicer.Generate uses; `write` never completes
     (a client that stopped reading) when `stuck`."""

@@ -24,6 +24,7 @@ up cancels its generation: the handler is cancelled (handler_cancellation) and t
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import ssl
@@ -84,7 +85,9 @@ class OpenAIServer:
     stop() lets running requests finish before they are cancelled; `max_body_bytes`: the largest request body (413 beyond);
     `timeout_s`: how long headers, and then the body, may take to arrive; `write_timeout_s`: how long a stream
     waits for its client to take an event (`--stream-write-timeout-s`; then the request is cancelled);
-    `max_in_progress`: API requests served at once (`--api-max-concurrent-rpcs`; more: 429; health apart). The model answers to the names of
+    `max_in_progress`: API requests served at once (`--api-max-concurrent-rpcs`; more: 429; health apart), and
+    twice that many connections open at once (one more is closed as soon as it is made: idle keep-alive
+    connections and connections whose request has not arrived count too). The model answers to the names of
     --served-model-name, else to `model_name` (comma-separated), else to served_model_name(--model); the
     first is the one answers name when a request names none."""
 
@@ -104,6 +107,7 @@ class OpenAIServer:
         self._tls = tls
         self.max_body_bytes, self.timeout_s, self.write_timeout_s = max_body_bytes, timeout_s, write_timeout_s
         self.max_in_progress, self.in_progress = max_in_progress, 0     # API requests (not health) at once
+        self.max_connections = 2 * max_in_progress
         self.app = web.Application(middlewares=[self._middleware], client_max_size=max_body_bytes)
         self.app.add_routes([web.get("/v1/models", self.models), web.get("/v1/models/{model:.+}", self.model_info),
                              web.post("/v1/completions", self.completions),
@@ -121,6 +125,8 @@ class OpenAIServer:
     async def start(self, host: str, port: int) -> int:
         """Listen on host:port (0: a free port); returns the port."""
         await self._runner.setup()
+        server = self._runner.server          # aiohttp's protocol factory: each connection reports to it
+        server.connection_made = functools.partial(self._connection_made, server, server.connection_made)
         context = None
         if self._tls:
             context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -131,11 +137,25 @@ class OpenAIServer:
         log.info("openai api serving", host=host, port=self.port, models=list(self.names), tls=bool(self._tls))
         return self.port
 
+    @property
+    def connections(self) -> int:
+        """HTTP connections open now."""
+        server = self._runner.server
+        return len(server.connections) if server is not None else 0
+
     async def stop(self) -> None:
         """Stop accepting, let running requests finish within grace_s, then cancel the rest."""
         await self._runner.cleanup()
 
     # -- plumbing -------------------------------------------------------------------------------------
+    def _connection_made(self, server: web.Server, made: Callable[..., None], handler: Any,
+                         transport: asyncio.Transport) -> None:
+        """A connection beyond `max_connections` is closed at once: its client sees a reset, nothing is read."""
+        made(handler, transport)
+        if len(server.connections) > self.max_connections:
+            log.debug("http connection refused", open=len(server.connections), limit=self.max_connections)
+            transport.abort()
+
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Request ids, the token, errors in OpenAI's shape; X-Request-Id on every answer (a stream sets
