@@ -118,8 +118,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     Generate streams at once (`--api-max-concurrent-rpcs`; health Watch streams are bounded apart,
     common/grpc_server.py), `max_per_client` of them per client (`--max-per-client`: its token, else its
     address; 0 = no limit). A stream whose client does not take a message for `write_timeout_s`
-    (`--stream-write-timeout-s`: it stopped reading and the flow-control window is full) ends with
-    DEADLINE_EXCEEDED and its request is cancelled, so a stalled reader holds nothing."""
+    (`--stream-write-timeout-s`: it stopped reading and the flow-control window is full) has its request
+    cancelled at once and ends with DEADLINE_EXCEEDED. gRPC sends that status only behind the message the client
+    has not taken, and cannot reset one stream from the server, so the call itself ends once its client reads
+    again, cancels or disconnects: its stream slot (in all and per client) is held until then, as gRPC's own
+    call slot is, so that the slots counted here are never fewer than the calls gRPC holds."""
 
     def __init__(self, coordinator: Coordinator, token: str = "", max_streams: int | None = None,
                  max_per_client: int = 0, write_timeout_s: float = 30.0) -> None:
@@ -141,21 +144,26 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                 f"this client has {self.max_per_client} Generate streams running "
                                 "(--max-per-client); retry when one ends")
         self.streams[client] += 1
+        context.add_done_callback(lambda _: self._release(client))     # the call has ended on the wire
         messages = self._generate(request, context, client)
         try:
             async for msg in messages:
                 try:
                     await asyncio.wait_for(context.write(msg), self.write_timeout_s)
                 except asyncio.TimeoutError:
-                    log.warning("client stopped reading: stream ended", write_timeout_s=self.write_timeout_s)
-                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                        f"the client took no message for {self.write_timeout_s} s "
+                    log.warning("client stopped reading: request cancelled", write_timeout_s=self.write_timeout_s)
+                    # (an abort would wait for the client to take the message before the status: return)
+                    context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
+                    context.set_details(f"the client took no message for {self.write_timeout_s} s "
                                         "(--stream-write-timeout-s); the request was cancelled")
+                    return
         finally:
             await messages.aclose()                    # cancels the request if it still runs
-            self.streams[client] -= 1
-            if not self.streams[client]:
-                del self.streams[client]
+
+    def _release(self, client: str) -> None:
+        self.streams[client] -= 1
+        if not self.streams[client]:
+            del self.streams[client]
 
     async def _generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
                         client: str) -> AsyncIterator[generation_pb2.GenerateResponse]:

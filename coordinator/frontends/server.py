@@ -60,6 +60,7 @@ class ApiServer(Server):
                          health_options=api_server_options(64 * 1024), health_max_rpcs=64)
         self.coordinator = coordinator
         self.serving: bool | None = None        # what health reports now (None: not started)
+        self.generation: GenerationServicer | None = None     # the Generate service (set by `start`)
         self._follower: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -101,6 +102,7 @@ async def start(config: CoordinatorConfig, parts: ModelParts | None = None) -> t
     server = ApiServer(config, coordinator)
     servicer = GenerationServicer(coordinator, config.api_token, config.api_max_concurrent_rpcs,
                                   config.max_per_client, config.stream_write_timeout_s)
+    server.generation = servicer
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server.server)
     server.bind(config.host, config.port, TLSFiles(config.api_tls_cert, config.api_tls_key).server_credentials())
     if config.health_port:

@@ -408,10 +408,25 @@ class StreamContext:
     (a client that stopped reading) when `stuck`."""
 
     def __init__(self, stuck: bool) -> None:
-        self.stuck, self.written = stuck, []
+        self.stuck, self.written, self.done = stuck, [], []
+        self.code = self.details = None
 
     def peer(self) -> str:
         return "ipv4:10.0.0.1:999"
+
+    def add_done_callback(self, fn) -> None:
+        self.done.append(fn)
+
+    def end(self) -> None:
+        """The call ends on the wire (its status sent, or its client gone)."""
+        for fn in self.done:
+            fn(self)
+
+    def set_code(self, code) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
 
     async def write(self, msg) -> None:
         if self.stuck:
@@ -442,16 +457,48 @@ async def test_a_stream_whose_client_stops_reading_ends_and_its_request_is_close
     from coordinator.frontends.grpc_api import GenerationServicer
     coord = SlowCoordinator()
     servicer = GenerationServicer(coord, write_timeout_s=0.2)
-    with pytest.raises(grpc.aio.AbortError, match="took no message for 0.2 s"):
-        await asyncio.wait_for(servicer.Generate(request([5], 4), StreamContext(stuck=True)), 10)
-    assert coord.closed == 1 and not servicer.streams, "the request was cancelled and the slot freed"
+    context = StreamContext(stuck=True)
+    await asyncio.wait_for(servicer.Generate(request([5], 4), context), 10)
+    assert context.code == Code.DEADLINE_EXCEEDED and "took no message for 0.2 s" in context.details
+    assert coord.closed == 1, "the request was cancelled"
+    assert servicer.streams == {"10.0.0.1": 1}, "the slot is held while gRPC holds the call"
+    context.end()
+    assert not servicer.streams
+
+
+@pytest.mark.grpc
+async def test_a_real_client_that_stops_reading_loses_its_stream_and_its_request(tiny_model):
+    """Over real gRPC: a client whose stream window is 1 KiB takes the first message of a 400-token stream and
+    reads no more. Once the window is full the server's writes wait; after --stream-write-timeout-s (1 s) its
+    request is cancelled, long before its 400 tokens (~40 s at 2 x 50 ms a token) would have ended it, and the
+    stream ends with DEADLINE_EXCEEDED once the client reads again. Before, the server awaited an abort that
+    gRPC sends only behind the message the client had not taken: the request ran on."""
+    async with serving(tiny_model, stage_time_ms="50", stream_write_timeout_s=1.0) as s:
+        small_window = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+        async with grpc.aio.insecure_channel(s.grpc_addr, options=small_window) as ch:
+            call = generation_pb2_grpc.GenerationStub(ch).Generate(request([5, 6, 7], 400), timeout=120)
+            await call.read()
+            assert len(s.coord.engine.admission.active) == 1
+            await wait_until(lambda: not s.coord.engine.admission.active, timeout=30,
+                             what="the request of the client that stopped reading is cancelled")
+            # gRPC holds the call until its client reads again (the status waits behind the message it did
+            # not take): so does its slot
+            assert s.server.generation.streams == {"127.0.0.1": 1}
+            taken = 1
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                while (await call.read()) is not grpc.aio.EOF:
+                    taken += 1
+            assert err.value.code() == Code.DEADLINE_EXCEEDED and "--stream-write-timeout-s" in err.value.details()
+            assert 1 < taken < 400
+            await wait_until(lambda: not s.server.generation.streams, what="the slot is freed as the call ends")
 
 
 async def test_generate_streams_are_bounded_in_all_and_per_client_before_any_work():
     from coordinator.frontends.grpc_api import GenerationServicer
     coord = SlowCoordinator()
     servicer = GenerationServicer(coord, max_streams=3, max_per_client=2)
-    first = [asyncio.create_task(servicer.Generate(request([5], 4), StreamContext(stuck=False))) for _ in range(2)]
+    contexts = [StreamContext(stuck=False) for _ in range(2)]
+    first = [asyncio.create_task(servicer.Generate(request([5], 4), c)) for c in contexts]
     await wait_until(lambda: servicer.streams.total() == 2, timeout=5)
     with pytest.raises(grpc.aio.AbortError, match="--max-per-client"):
         await servicer.Generate(request([5], 4), StreamContext(stuck=False))
@@ -466,4 +513,6 @@ async def test_generate_streams_are_bounded_in_all_and_per_client_before_any_wor
     for t in [*first, third]:
         t.cancel()
     await asyncio.gather(*first, third, return_exceptions=True)
+    for c in [*contexts, other]:
+        c.end()
     assert not servicer.streams and coord.closed == 3
