@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import aiohttp
 import grpc
 import pytest
+from aiohttp import web
 
 from coordinator.config import CoordinatorConfig
 from coordinator.frontends.grpc_api import client_identity, peer_host, token_identity
@@ -491,6 +492,35 @@ async def test_a_real_client_that_stops_reading_loses_its_stream_and_its_request
             assert err.value.code() == Code.DEADLINE_EXCEEDED and "--stream-write-timeout-s" in err.value.details()
             assert 1 < taken < 400
             await wait_until(lambda: not s.server.generation.streams, what="the slot is freed as the call ends")
+
+
+async def test_an_event_stream_whose_client_stops_reading_is_closed_and_its_request_cancelled(tiny_model,
+                                                                                              monkeypatch):
+    """HTTP: after its first two events every write of the server waits (as on a socket whose client stopped
+    reading and whose buffers are full: loopback's are too large to fill with this model's 512 positions).
+    After --stream-write-timeout-s (0.5 s) the connection is closed and the request cancelled, long before
+    its 300 tokens (~30 s) would have ended it."""
+    write = web.StreamResponse.write
+    events: list[bytes] = []
+
+    async def stalls(self, data: bytes) -> None:
+        if len(events) >= 2:
+            await asyncio.Event().wait()
+        events.append(data)
+        await write(self, data)
+    monkeypatch.setattr(web.StreamResponse, "write", stalls)
+    async with serving(tiny_model, stage_time_ms="50", stream_write_timeout_s=0.5) as s:
+        body = {"prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True, "stream": True, "return_token_ids": True}
+        async with aiohttp.ClientSession() as h:
+            async with h.post(s.url + "/completions", json=body) as r:
+                assert r.status == 200
+                got = []
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    async with asyncio.timeout(20):
+                        async for line in r.content:
+                            got += [line] if line.startswith(b"data: ") else []
+        assert len(got) == 2
+        await wait_until(lambda: not s.coord.engine.admission.active, timeout=10, what="the request is cancelled")
 
 
 async def test_generate_streams_are_bounded_in_all_and_per_client_before_any_work():
