@@ -16,4 +16,4 @@ def assert_nothing_left(sched: Scheduler, runners: list[StageRunner], draft: Mod
         assert not getattr(sched, name, {}), f"scheduler keeps {name}"
     assert all(not r.cache.requests and r.cache.nbytes() == 0 for r in runners), "a stage keeps KV"
     if draft is not None:
-        assert not draft.runner.cache.requests, "the draft keeps KV"
+        assert not draft.runner.cache.requests and draft.runner.cache.nbytes() == 0, "the draft keeps KV"

@@ -53,6 +53,7 @@ class Driver:
             elif isinstance(action, Emit):
                 self.tokens.setdefault(action.request_id, []).extend(action.token_ids)
             elif isinstance(action, Finish):
+                assert action.request_id not in self.finished, f"{action.request_id} finished twice"
                 self.finished[action.request_id] = action
 
     def choices(self) -> list[str]:
@@ -236,6 +237,17 @@ class FailingDraft(ModelDraft):
         return super().expand_many(jobs, k, extra)
 
 
+class FailingPrefill(FailingDraft):
+    """A draft whose prefill call fails as a whole, after it has begun computing (its KV half written)."""
+
+    def begin_many(self, jobs):
+        self.calls_seen += 1
+        if self.calls_seen == self.fail_at:
+            super().begin_many(jobs)             # the KV and sampling state are there: the failure must free them
+            raise RuntimeError("CUDA out of memory (simulated) in the prefill")
+        return super().begin_many(jobs)
+
+
 def test_a_draft_call_failing_as_a_whole_fails_its_requests_and_leaves_nothing(tiny_model, tiny_hf):
     runners = make_runners(tiny_model, 2)
     draft = FailingDraft(tiny_model, fail_at=3)
@@ -254,4 +266,30 @@ def test_a_draft_call_failing_as_a_whole_fails_its_requests_and_leaves_nothing(t
     for f in d.finished.values():
         if f.reason == "length":
             assert d.tokens[f.request_id] == hf_greedy(tiny_hf, ps[int(f.request_id[1:])], 10)
+    assert_nothing_left(sched, runners, draft)
+
+
+def test_a_prefill_call_failing_as_a_whole_fails_its_requests_once_and_leaves_nothing(tiny_model, tiny_hf):
+    """Two prompts in one draft prefill call that fails after computing: both requests end with the draft's
+    error, each exactly once (the driver refuses a second finish); nothing is left on the stages or in the
+    draft's KV; a request admitted after it runs exact."""
+    runners = make_runners(tiny_model, 2)
+    draft = FailingPrefill(tiny_model, fail_at=1)
+    sched = SpecPipeScheduler(2, draft, width=3, policy="hybrid", topk=2, rounds=2)
+    d = Driver(sched, runners)
+    ps = prompts(3, seed=6)
+    for i, p in enumerate(ps[:2]):
+        sched.add(Request(f"p{i}", p, 10))
+    d.drain()
+    while d.choices():
+        d.step(d.choices()[-1])
+    assert sorted(d.finished) == ["p0", "p1"]
+    assert all(f.reason == "error" and "draft failed" in f.error and "in the prefill" in f.error
+               for f in d.finished.values())
+    assert_nothing_left(sched, runners, draft)
+    sched.add(Request("after", ps[2], 10))
+    d.drain()
+    while d.choices():
+        d.step(d.choices()[0])
+    assert d.finished["after"].reason == "length" and d.tokens["after"] == hf_greedy(tiny_hf, ps[2], 10)
     assert_nothing_left(sched, runners, draft)
