@@ -17,3 +17,4 @@ def assert_nothing_left(sched: Scheduler, runners: list[StageRunner], draft: Mod
     assert all(not r.cache.requests and r.cache.nbytes() == 0 for r in runners), "a stage keeps KV"
     if draft is not None:
         assert not draft.runner.cache.requests and draft.runner.cache.nbytes() == 0, "the draft keeps KV"
+        assert not draft.sampling and not draft._q, f"the draft keeps sampling state {list(draft.sampling)[:5]}"

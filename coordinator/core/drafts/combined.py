@@ -125,6 +125,6 @@ class CombinedDraft(DraftSource):
             self.ngram.prune(request_id, node_ids)
 
     def release(self, request_id: str) -> None:
-        self.model.release(request_id)
-        self.ngram.release(request_id)
+        self.ngram.release(request_id)           # plain dicts first: the model's KV release may raise
         self.merged.discard(request_id)
+        self.model.release(request_id)

@@ -72,8 +72,8 @@ class DraftJob:
             out.errors.update({request_id: e for (request_id, *_), e in zip(self.begin, errors) if e is not None})
         started = time.perf_counter()
         for op in self.ops:
-            if op.request_id in out.errors:
-                continue
+            if op.request_id in out.errors and op.kind is not OpKind.RELEASE:   # a release always runs: the
+                continue                                       # request has ended, nothing else frees its state
             try:
                 if op.kind is OpKind.COMMIT:
                     draft.commit(op.request_id, list(op.node_ids), list(op.tokens))

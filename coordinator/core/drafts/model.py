@@ -200,10 +200,12 @@ class ModelDraft(DraftSource):
         self.runner.apply(Control(request_id, prune=node_ids))
 
     def release(self, request_id: str) -> None:
-        self.runner.apply(Control(request_id, release=True))
+        """Forget the request: its sampling state and kept q first (plain dicts: they cannot fail), then its
+        KV (whose failure is raised, the rest already gone)."""
         self.sampling.pop(request_id, None)
         for key in [key for key in self._q if key[0] == request_id]:
             del self._q[key]
+        self.runner.apply(Control(request_id, release=True))
 
 
 QUANT_MAX_PARAMS = 3_000_000_000     # above this a copy of the target is no draft: use --draft model

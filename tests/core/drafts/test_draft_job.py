@@ -1,0 +1,46 @@
+"""A draft job's bookkeeping: a request's failing op fails that request, and its release still runs, so the
+draft keeps nothing of a request that ended (KV, sampling state, kept q)."""
+from __future__ import annotations
+
+from common.sampling import Sampling
+
+from coordinator.core.drafts.job import DraftJob, DraftOp, OpKind
+from coordinator.core.drafts.model import ModelDraft, quantized_copy
+
+
+class FailingCommit(ModelDraft):
+    def commit(self, request_id, node_ids, tokens):
+        raise RuntimeError("the draft's KV table is broken (simulated)")
+
+
+def test_a_release_after_a_failing_op_of_the_same_request_still_runs(tiny_model):
+    """The request ended with a commit queued: [COMMIT a, RELEASE a] go in one job. The commit fails (a's
+    error); the release must run all the same, or a's KV and sampling state stay for ever (nobody asks
+    for a again). `b`, untouched by the failure, is prefilled and kept."""
+    draft = FailingCommit(quantized_copy(str(tiny_model)))
+    sampled = Sampling(temperature=0.8, seed=3)
+    draft.begin_many([("a", [5, 6, 7, 8], sampled, True), ("b", [9, 10, 11], sampled, True)])
+    assert draft.runner.cache.nbytes() > 0 and set(draft.sampling) == {"a", "b"}
+    job = DraftJob(ops=[DraftOp(OpKind.COMMIT, "a", (3,), (8,)), DraftOp(OpKind.RELEASE, "a")])
+    results = job.run(draft)
+    assert set(results.errors) == {"a"} and "broken" in str(results.errors["a"])
+    assert set(draft.sampling) == {"b"} and set(draft.runner.cache.requests) == {"b"}, "a's state gone, b's kept"
+    DraftJob(ops=[DraftOp(OpKind.RELEASE, "b")]).run(draft)
+    assert not draft.sampling and not draft.runner.cache.requests and draft.runner.cache.nbytes() == 0
+
+
+class FailingRelease(ModelDraft):
+    def release(self, request_id):
+        self.runner.apply = None             # the KV table's release raises: the rest must still be forgotten
+        try:
+            super().release(request_id)
+        finally:
+            del self.runner.apply
+
+
+def test_a_release_whose_kv_release_fails_still_forgets_the_sampling_state(tiny_model):
+    draft = FailingRelease(quantized_copy(str(tiny_model)))
+    draft.begin_many([("a", [5, 6, 7, 8], Sampling(temperature=0.8, seed=3), True)])
+    results = DraftJob(ops=[DraftOp(OpKind.RELEASE, "a")]).run(draft)
+    assert set(results.errors) == {"a"}
+    assert not draft.sampling and not draft._q
