@@ -12,7 +12,7 @@ from services.runner import StageRunner
 
 def assert_nothing_left(sched: Scheduler, runners: list[StageRunner], draft: ModelDraft | None = None) -> None:
     assert not sched.requests and not getattr(sched, "prefill_next", {}) and not sched._batches
-    for name in ("trees", "pending", "begun", "next_row"):
+    for name in ("trees", "pending", "begun", "next_row", "draft_prefilled"):
         assert not getattr(sched, name, {}), f"scheduler keeps {name}"
     assert all(not r.cache.requests and r.cache.nbytes() == 0 for r in runners), "a stage keeps KV"
     if draft is not None:

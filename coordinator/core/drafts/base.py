@@ -59,13 +59,23 @@ class DraftSource(ABC):
     def begin(self, request_id: str, prompt_ids: list[int], sampling: Sampling = GREEDY,
               keep_q: bool = False) -> None: ...
 
-    def begin_many(self, jobs: list[tuple[str, list[int], Sampling, bool]]) -> list[Exception | None]:
+    def begin_many(self, jobs: list[tuple[str, list[int], Sampling, bool]],
+                   rows: dict[str, tuple[int, int]] | None = None) -> list[Exception | None]:
         """`begin` for several requests (request id, prompt ids, sampling, keep_q); a model draft prefills
-        them all in one call. Each request's failure is its own (None: begun)."""
+        them all in one call. Each request's failure is its own (None: begun).
+
+        `rows` {request: (a, b)} prefills only the rows [a, b) of that request's prompt (of its len - 1): a
+        long prompt in pieces, one call each, so a caller holding a lock can let go between them. The piece
+        with a == 0 begins the request; the request is ready once a piece has reached b == len - 1. A source
+        without a model begins on the first piece and has nothing to compute for the others.
+
+            prompt of 9 ids: rows (0, 4), then (4, 8)  ==  no rows (all 8 at once)
+        """
         out: list[Exception | None] = []
         for request_id, prompt, sampling, keep_q in jobs:
             try:
-                self.begin(request_id, prompt, sampling, keep_q)
+                if (rows or {}).get(request_id, (0, 0))[0] == 0:
+                    self.begin(request_id, prompt, sampling, keep_q)
                 out.append(None)
             except Exception as e:
                 out.append(e)

@@ -71,9 +71,12 @@ class CombinedDraft(DraftSource):
             self.ngram.begin(request_id, prompt_ids, sampling, keep_q)
             self.merged.add(request_id)
 
-    def begin_many(self, jobs: list[tuple[str, list[int], Sampling, bool]]) -> list[Exception | None]:
-        out = self.model.begin_many(jobs)
+    def begin_many(self, jobs: list[tuple[str, list[int], Sampling, bool]],
+                   rows: dict[str, tuple[int, int]] | None = None) -> list[Exception | None]:
+        out = self.model.begin_many(jobs, rows)
         for (request_id, prompt_ids, sampling, keep_q), error in zip(jobs, out):
+            if (rows or {}).get(request_id, (0, 0))[0]:
+                continue                         # a later piece of the model's prefill: begun already
             self.merged.discard(request_id)
             if error is None and not keep_q:
                 self.ngram.begin(request_id, prompt_ids, sampling, keep_q)

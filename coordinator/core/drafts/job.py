@@ -49,6 +49,8 @@ class DraftJob:
     ops: list[DraftOp] = field(default_factory=list)
     # (request_id, prompt, sampling, q)
     begin: list[tuple[str, list[int], Sampling, bool]] = field(default_factory=list)
+    rows: dict[str, tuple[int, int]] = field(default_factory=dict)   # request -> the prompt rows [a, b) to
+    # prefill now (DraftSource.begin_many); absent: all of them
     expand: list[tuple[str, list[DraftNode]]] = field(default_factory=list)
     topk: int = 1
     keep_q: set[str] = field(default_factory=set)     # requests whose expanded nodes' q is taken (rejection)
@@ -66,7 +68,7 @@ class DraftJob:
         before = draft.compute_s
         if self.begin:
             try:
-                errors = draft.begin_many(self.begin)
+                errors = draft.begin_many(self.begin, self.rows) if self.rows else draft.begin_many(self.begin)
             except Exception as e:           # the call failed as a whole: every request in it
                 errors = [e] * len(self.begin)
             out.errors.update({request_id: e for (request_id, *_), e in zip(self.begin, errors) if e is not None})

@@ -41,21 +41,26 @@ class ModelDraft(DraftSource):
         if error is not None:
             raise error
 
-    def begin_many(self, jobs: list[tuple[str, list[int], Sampling, bool]]) -> list[Exception | None]:
+    def begin_many(self, jobs: list[tuple[str, list[int], Sampling, bool]],
+                   rows: dict[str, tuple[int, int]] | None = None) -> list[Exception | None]:
         """Prefill the prompts of every request in `jobs` (each without its last token), in calls of at most
         `prefill_chunk` rows: a long prompt takes several, in order; short ones share one. A call that fails
-        fails the requests in it (their later chunks are skipped), not the others.
+        fails the requests in it (their later chunks are skipped), not the others. `rows` limits a request
+        to the rows [a, b) of its prompt (see DraftSource.begin_many).
 
             prefill_chunk 6, prompts a: 9 ids (8 rows), b: 3 ids (2 rows) -> calls [a 0:6], [b 0:2, a 6:8]
+            rows {"a": (6, 8)} (a's first 6 rows done before)                   -> calls [b 0:2, a 6:8]
         """
         pieces: list[list[tuple[str, int, int, list[int]]]] = []    # level k: every request's k-th chunk
         for request_id, prompt_ids, sampling, keep_q in jobs:
-            self.sampling[request_id] = (sampling, keep_q)
-            self.runner.apply(Control(request_id, commit=list(range(len(prompt_ids)))))
-            for k, a in enumerate(range(0, len(prompt_ids) - 1, self.prefill_chunk)):
+            first, last = (rows or {}).get(request_id, (0, len(prompt_ids) - 1))
+            if first == 0:
+                self.sampling[request_id] = (sampling, keep_q)
+                self.runner.apply(Control(request_id, commit=list(range(len(prompt_ids)))))
+            for k, a in enumerate(range(first, last, self.prefill_chunk)):
                 if k == len(pieces):
                     pieces.append([])
-                pieces[k].append((request_id, a, min(a + self.prefill_chunk, len(prompt_ids) - 1), prompt_ids))
+                pieces[k].append((request_id, a, min(a + self.prefill_chunk, last), prompt_ids))
         failed: dict[str, Exception] = {}
         call: list[Segment] = []
 

@@ -394,7 +394,10 @@ class SpecPipeScheduler(BatchingScheduler):
     def _apply(self, job: DraftJob, results: DraftResults) -> None:
         if self.sizer is not None and job.expand and not job.begin and not results.errors:
             self.sizer.observe_draft(sum(len(nodes) for _, nodes in job.expand), results.compute_ms)
-        weights = {request_id: len(prompt) for request_id, prompt, *_ in job.begin}
+        weights: dict[str, int] = {}          # request -> rows the draft computed for it
+        for request_id, prompt, *_ in job.begin:
+            a, b = job.rows.get(request_id, (0, len(prompt)))
+            weights[request_id] = b - a
         for request_id, nodes in job.expand:
             weights[request_id] = weights.get(request_id, 0) + len(nodes)
         total = sum(weights.values())

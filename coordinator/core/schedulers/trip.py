@@ -34,10 +34,15 @@ class TripScheduler(SpecPipeScheduler):
         self.budget, self.rounds, self.per_round = budget, rounds, per_round
         self.max_in_flight, self.bonus_alone = max_in_flight, bonus_alone
         self.min_logp = math.log(min_prob) if min_prob > 0 else -math.inf
+        self.draft_prefilled: dict[str, int] = {}    # request -> prompt rows the draft has computed (while < n - 1)
 
     @property
     def kv_rows_per_batch(self) -> int:
         return self.budget + 1
+
+    def _finish(self, state: RequestState, reason: str, error: str = "", error_code: int = 0) -> None:
+        self.draft_prefilled.pop(state.request.request_id, None)
+        super()._finish(state, reason, error, error_code)
 
     # -- no cross-request batching: each request's prompt and speculations travel alone ------------
     def _dispatch(self) -> None:
@@ -74,12 +79,20 @@ class TripScheduler(SpecPipeScheduler):
     def _work_one(self, request_id: str) -> None:
         del self.pending[request_id]
         state, tree = self.requests[request_id], self.trees[request_id]
-        if request_id not in self.begun:
-            self.begun.add(request_id)
-            self._draft_now(DraftJob(begin=[(request_id, state.request.prompt_ids, state.request.sampling,
-                                             self._rejection(state))]))
+        if request_id not in self.begun:       # the draft's prefill, one chunk per call: results are handled
+            prompt = state.request.prompt_ids  # between them (the engine lets go of the lock after each)
+            a = self.draft_prefilled.get(request_id, 0)
+            b = min(a + self.prefill_chunk, len(prompt) - 1)
+            self._draft_now(DraftJob(begin=[(request_id, prompt, state.request.sampling, self._rejection(state))],
+                                     rows={request_id: (a, b)}))
             if request_id not in self.requests:
                 return                         # the draft failed the request
+            if b < len(prompt) - 1:
+                self.draft_prefilled[request_id] = b
+                self.pending[request_id] = 1   # due again: the next chunk
+                return
+            self.draft_prefilled.pop(request_id, None)
+            self.begun.add(request_id)
         root = tree.root_node
         if not root.expanded:                  # may overlap the prompt's trip
             self._expand(request_id, [tree.root])

@@ -127,6 +127,18 @@ def test_docstring_example(tiny_lm):
     assert scores == pytest.approx([math.log(0.5), math.log(0.25), math.log(0.05)], rel=1e-5)
 
 
+def test_a_prefill_in_pieces_proposes_what_one_begin_does(tiny_lm):
+    """The baselines' in-line prefill comes in pieces of rows (DraftSource.begin_many): the n-gram table
+    begins with the first, the model computes every piece; the proposals are those after one `begin`."""
+    d = CombinedDraft(table_model(tiny_lm, PROBS), NgramDraft())
+    job = [("r", DOC_PROMPT, Sampling(), False)]
+    last = len(DOC_PROMPT) - 1
+    assert d.begin_many(job, {"r": (0, 1)}) == [None] and "r" in d.merged
+    assert d.begin_many(job, {"r": (1, last)}) == [None] and d.ngram.committed["r"] == list(DOC_PROMPT)
+    (props,) = d.expand("r", [last_node(DOC_PROMPT)], 2)
+    assert tokens_scores(props) == tokens_scores(combined_children(tiny_lm, DOC_PROMPT, k=2))
+
+
 def test_token_both_propose_is_one_child_with_the_models_score(tiny_lm):
     # [5, 6] was followed by 7: the n-gram proposes 7 alone, with log 1 = 0
     props = combined_children(tiny_lm, [5, 6, 7, 5, 6], k=2)

@@ -39,6 +39,21 @@ def test_a_chunked_prefill_proposes_what_one_call_does(tiny_model):
         [[(t, round(s, 4)) for t, s in whole[r]] for r in "ab"]
 
 
+def test_a_prefill_in_pieces_of_rows_proposes_what_one_call_does(tiny_model):
+    """`rows` {request: (a, b)}: the baselines' in-line draft prefills a long prompt one piece per call (the
+    first piece begins the request). Pieces (0, 3), (3, 8) of a 9-id prompt, then its expansion: the
+    proposals of one unpieced prefill; the first piece alone computed 3 rows."""
+    prompt = [5, 9, 13, 2, 7, 7, 30, 4, 11]
+    whole = proposals_after(ModelDraft(load_causal_lm(str(tiny_model), torch.float32, "cpu")), {"a": prompt})
+    draft = ModelDraft(load_causal_lm(str(tiny_model), torch.float32, "cpu"))
+    job = [("a", prompt, GREEDY, False)]
+    assert draft.begin_many(job, {"a": (0, 3)}) == [None] and draft.rows == 3 and "a" in draft.sampling
+    assert draft.begin_many(job, {"a": (3, 8)}) == [None] and draft.rows == 8
+    nodes = [DraftNode(len(prompt) - 1, len(prompt) - 2, len(prompt) - 1, prompt[-1])]
+    pieced = list(draft.expand_many([("a", nodes)], 4)[0][0])
+    assert [(t, round(s, 4)) for t, s in pieced] == [(t, round(s, 4)) for t, s in whole["a"]]
+
+
 def test_a_failing_prefill_call_fails_only_its_requests(tiny_model):
     """`ok`'s 4 rows fill the first call; `bad`'s first chunk fails: `bad` fails, its later chunks are never
     sent, `ok` is prefilled."""
