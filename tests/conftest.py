@@ -3,12 +3,14 @@ The tiers (`make test-fast`, `make test`): tests/helpers/tiers.py."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from helpers.models import make_tiny_llama, reference_model
+from helpers.reference import byte_tokenizer
 
 # Each pytest-xdist worker takes its share of the cores: torch's OpenMP threads beyond the cores spin against
 # each other's (a rejection-sampling test of tiny tensors took 61 s with 2 threads beside another 2-thread torch
@@ -28,6 +30,15 @@ def tiny_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_hf(tiny_model):
     return reference_model(tiny_model)
+
+
+@pytest.fixture(scope="session")
+def chat_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model (same weights, so tiny_hf is its reference) plus the byte tokenizer."""
+    path = tmp_path_factory.mktemp("chat") / "tiny-chat"
+    shutil.copytree(tiny_model, path)
+    byte_tokenizer().save_pretrained(path)
+    return path
 
 
 @pytest.fixture(scope="session")

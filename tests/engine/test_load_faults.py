@@ -1,8 +1,11 @@
 """One minute of load that mixes malformed and valid requests over gRPC and HTTP against real stages
 (issue 15): every malformed request is refused as INVALID_ARGUMENT / 400 naming what is wrong, every valid
 output is exact, the pipeline never recovers, and memory stays flat. Beside them (issue 26): health Watch
-streams held open beyond their bound, prompts of several prefill chunks with each of the six methods, and
-clients that hang up in the middle of a stream."""
+streams held open beyond their bound, prompts of several prefill chunks with each of the six methods, clients
+that hang up in the middle of a stream or stop reading it, /tokenize calls, a last stage that answers some
+requests' micro-batches wrongly (another live request's id, a token too few), and a draft that fails some
+requests. Each fault ends its own request with INTERNAL naming it, never another's; at the end no stage and
+no draft holds anything."""
 from __future__ import annotations
 
 import asyncio
@@ -15,6 +18,7 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY
 
+from common.batch import MicroBatch, Segment
 from coordinator.config import CoordinatorConfig
 from coordinator.frontends.server import start, start_http
 from helpers.reference import hf_greedy, prompts
@@ -68,21 +72,76 @@ def rss_bytes() -> int:
 
 METHODS = ["pp", "cb-pp", "specpipe", "sps", "tree", "pipeinfer"]
 CHUNK = 16          # --prefill-chunk: the long prompts below take 4 to 6 micro-batches
+STAGE_FAULT, DRAFT_FAULT = 251, 252      # a prompt starting with one of these is a fault's victim
+
+
+def spoil_some_results(runner) -> dict[str, int]:
+    """The last stage answers one later micro-batch of each request whose prompt starts with STAGE_FAULT
+    wrongly, in turns: the segment carries another live request's id (the corruption validation must stop),
+    or a token too few. Only micro-batches of such requests alone are spoilt, so a fault never touches a
+    request that did not ask for one. Returns counts by fault."""
+    step, doomed, spoilt, done = runner.step, set(), {"wrong id": 0, "few rows": 0}, set()
+
+    def answer(batch: MicroBatch) -> MicroBatch:
+        doomed.update(s.request_id for s in batch.segments if s.positions[:1] == [0] and s.token_ids[0] == STAGE_FAULT)
+        first = {s.request_id for s in batch.segments if s.positions[:1] == [0]}
+        out = step(batch)
+        rids = {s.request_id for s in out.segments}
+        if not rids or not rids <= doomed - done or rids & first:
+            return out
+        others = sorted(set(runner.cache.requests) - rids)
+        if sum(spoilt.values()) % 2 == 0 and others:
+            victim = others[0]
+            out.segments = [Segment(victim, s.node_ids, s.parent_ids, s.positions, s.token_ids, s.want_output)
+                            for s in out.segments]
+            spoilt["wrong id"] += 1
+        elif out.argmax:
+            out.argmax = list(out.argmax)[:-1]
+            spoilt["few rows"] += 1
+        else:
+            return out
+        done.update(rids)
+        return out
+    runner.step = answer
+    return spoilt
+
+
+def fail_some_drafts(draft) -> dict[str, int]:
+    """The draft's prefill computes every prompt, then fails those starting with DRAFT_FAULT (their KV and
+    sampling state are there: the failure must free them). Returns {"failed": n}."""
+    begin_many, failed = draft.begin_many, {"failed": 0}
+
+    def begin(jobs, *args):
+        errors = begin_many(jobs, *args)
+        out = []
+        for (rid, prompt, *_), error in zip(jobs, errors):
+            if error is None and prompt[0] == DRAFT_FAULT:
+                failed["failed"] += 1
+                error = RuntimeError("the draft failed (simulated)")
+            out.append(error)
+        return out
+    draft.begin_many = begin
+    return failed
 
 
 @pytest.mark.slow
-async def test_a_minute_of_mixed_malformed_and_valid_requests(tiny_model, tiny_hf):
+async def test_a_minute_of_mixed_malformed_and_valid_requests(chat_model, tiny_hf):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from common.grpc_server import WATCH_PER_PEER
+    tiny_model = chat_model                  # the tiny model with a byte tokenizer (token id = byte), for /tokenize
     ps = prompts(6, seed=5)
     rng0 = random.Random(26)
-    long_ps = [[rng0.randrange(3, 256) for _ in range(rng0.randrange(4 * CHUNK, 6 * CHUNK))] for _ in range(3)]
-    want = {tuple(p): hf_greedy(tiny_hf, p, 8) for p in ps + long_ps}
+    long_ps = [[rng0.randrange(3, 250) for _ in range(rng0.randrange(4 * CHUNK, 6 * CHUNK))] for _ in range(3)]
+    faulty = {kind: [[first] + p[1:] for p in ps[:3]] for kind, first in (("stage", STAGE_FAULT),
+                                                                        ("draft", DRAFT_FAULT))}
+    want = {tuple(p): hf_greedy(tiny_hf, p, 8) for p in ps + long_ps + faulty["stage"] + faulty["draft"]}
     async with stage_servers(str(tiny_model), 2) as (addrs, servicers):
+        spoilt = spoil_some_results(servicers[-1].runner)
         cfg = CoordinatorConfig(stages=tuple(addrs), model=str(tiny_model), port=0, recovery_timeout_s=30,
-                                probe_interval_s=0.5, max_new_tokens_cap=64, default_max_new_tokens=8,
-                                prefill_chunk=CHUNK)
+                                probe_interval_s=0.5, max_new_tokens_cap=400, default_max_new_tokens=8,
+                                prefill_chunk=CHUNK, stream_write_timeout_s=1.0)
         server, coord = await start(cfg)
+        draft_failed = fail_some_drafts(coord.engine.spec.draft)
         http = await start_http(cfg, coord, port=0)
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
         stub = generation_pb2_grpc.GenerationStub(channel)
@@ -90,7 +149,8 @@ async def test_a_minute_of_mixed_malformed_and_valid_requests(tiny_model, tiny_h
                                    response_deserializer=generation_pb2.GenerateResponse.FromString)
         url = f"http://127.0.0.1:{http.port}/v1/completions"
         before = failures()
-        counts = {"valid": 0, "refused": 0, "long": 0, "hung_up": 0, "watch_refused": 0}
+        counts = {"valid": 0, "refused": 0, "long": 0, "hung_up": 0, "watch_refused": 0, "tokenized": 0,
+                  "stage_fault": 0, "draft_fault": 0, "stalled": 0}
         loop = asyncio.get_running_loop()
         end = loop.time() + DURATION_S
         rss: list[int] = []
@@ -126,6 +186,57 @@ async def test_a_minute_of_mixed_malformed_and_valid_requests(tiny_model, tiny_h
                 call.cancel()                           # the client goes away after its first message
                 break
             counts["hung_up"] += 1
+
+        async def tokenize(session: aiohttp.ClientSession, rng: random.Random) -> None:
+            text = "".join(rng.choice("abc déf \n") for _ in range(rng.randrange(1, 2000)))
+            async with session.post(f"http://127.0.0.1:{http.port}/tokenize",
+                                    json={"model": tiny_model.name, "prompt": text}) as resp:
+                if resp.status == 429:                  # the pool of pre-admission work is full: allowed
+                    return
+                assert resp.status == 200, await resp.text()
+                assert (await resp.json())["tokens"] == list(text.encode())
+            counts["tokenized"] += 1
+
+        async def faulty_request(rng: random.Random, kind: str) -> None:
+            """A request whose stage result or draft fails (if its micro-batch is alone / it uses the draft):
+            it ends with INTERNAL naming the fault, or exact."""
+            p = rng.choice(faulty[kind])
+            methods = ["pp" if kind == "stage" else "specpipe", "sps", "tree", "pipeinfer"]
+            call = stub.Generate(generation_pb2.GenerateRequest(
+                prompt_token_ids=p, max_new_tokens=8, ignore_eos=True, method=rng.choice(methods)), timeout=60)
+            tokens = []
+            try:
+                async for m in call:
+                    tokens += m.token_ids
+            except grpc.aio.AioRpcError as e:
+                assert e.code() == grpc.StatusCode.INTERNAL, (e.code(), e.details())
+                word = "answered micro-batch" if kind == "stage" else "draft failed"
+                assert word in e.details(), e.details()
+                counts[f"{kind}_fault"] += 1
+                return
+            assert tokens == want[tuple(p)]
+
+        async def stalled() -> None:
+            """A client whose stream window is 1 KiB takes the first message of a 400-token stream and stops
+            reading: its request is cancelled after --stream-write-timeout-s (or, if the stream fitted in the
+            window, ran to its end); reading again, it gets DEADLINE_EXCEEDED or the exact tokens."""
+            small_window = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=small_window) as ch:
+                p = ps[0]
+                call = generation_pb2_grpc.GenerationStub(ch).Generate(generation_pb2.GenerateRequest(
+                    prompt_token_ids=p, max_new_tokens=400, ignore_eos=True, method="pp"), timeout=120)
+                first = await call.read()
+                rid, tokens = first.request_id, list(first.token_ids)
+                await wait_until(lambda: rid not in coord.engine.admission.active, timeout=60,
+                                 what="the request of the client that stopped reading ends")
+                try:
+                    while (m := await call.read()) is not grpc.aio.EOF:
+                        tokens += m.token_ids
+                except grpc.aio.AioRpcError as e:
+                    assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED, (e.code(), e.details())
+                    counts["stalled"] += 1
+                    return
+                assert tokens == hf_greedy(tiny_hf, p, 400)
 
         async def watchers() -> None:
             """Watch streams held for the whole run: the bound keeps WATCH_PER_PEER, refuses the rest, and
@@ -176,8 +287,12 @@ async def test_a_minute_of_mixed_malformed_and_valid_requests(tiny_model, tiny_h
             async with aiohttp.ClientSession() as session:
                 while loop.time() < end:
                     kind = rng.choice(["valid_grpc", "valid_http", "bad_grpc", "bad_http", "bad_grpc", "bad_http",
-                                       "long_prompt", "hang_up"])
-                    if kind == "long_prompt":
+                                       "long_prompt", "hang_up", "tokenize", "stage_fault", "draft_fault"])
+                    if kind == "tokenize":
+                        await tokenize(session, rng)
+                    elif kind in ("stage_fault", "draft_fault"):
+                        await faulty_request(rng, kind.split("_")[0])
+                    elif kind == "long_prompt":
                         await long_prompt(rng)
                     elif kind == "hang_up":
                         await hang_up(rng)
@@ -198,18 +313,25 @@ async def test_a_minute_of_mixed_malformed_and_valid_requests(tiny_model, tiny_h
                 await asyncio.sleep(DURATION_S / 30)        # 30 samples over the run (a period, not a wait)
 
         try:
-            await asyncio.gather(*(worker(i) for i in range(WORKERS)), sample_memory(), watchers())
+            await asyncio.gather(*(worker(i) for i in range(WORKERS)), sample_memory(), watchers(),
+                                 *(stalled() for _ in range(3)))
             assert counts["valid"] >= 20 and counts["refused"] >= 40, counts
             assert counts["long"] >= 6 and counts["hung_up"] >= 3 and counts["watch_refused"] == 2 * WATCH_PER_PEER, \
                 counts
+            assert counts["tokenized"] >= 3 and counts["stalled"] >= 1, counts
+            assert counts["stage_fault"] >= sum(spoilt.values()) and spoilt["wrong id"] >= 1, (counts, spoilt)
+            assert counts["draft_fault"] == draft_failed["failed"] >= 1, (counts, draft_failed)
             assert failures() == before                     # not one pipeline recovery
             assert coord.recovery is not None and not coord.recovery.running
             assert coord.engine.active == 0 and not coord.engine.admission.active
             # memory flat: after the first third (warm-up: caches, compiled paths) it grows by < 64 MiB
             settled = rss[len(rss) // 3]
             assert max(rss[len(rss) // 3:]) - settled < 64 * 1024 * 1024, [r // 2 ** 20 for r in rss]
-            await wait_until(lambda: not any(s.runner.cache.requests for s in servicers), timeout=4,
-                             what="nothing left on the stages")
+            await wait_until(lambda: not any(s.runner.cache.requests or s.runner.cache.nbytes() for s in servicers),
+                             timeout=4, what="nothing left on the stages")
+            draft = coord.engine.spec.draft
+            await wait_until(lambda: not (draft.runner.cache.requests or draft.runner.cache.nbytes() or draft.sampling
+                                          or draft._q), timeout=4, what="nothing left in the draft")
         finally:
             await channel.close()
             await http.stop()
