@@ -32,8 +32,8 @@ def peer_host(peer: str) -> str:
     return peer
 
 
-WATCH_PER_PEER = 8      # health Watch streams one client address may hold open on a server
-WATCH_TOTAL = 128       # and all clients together
+WATCH_PER_PEER = 8      # health Watch streams one client address may hold open on a server (the API's:
+WATCH_TOTAL = 128       # and all clients together                  --health-watch-per-client, --health-watch-max)
 UNARY_ROOM = 64         # calls in progress a server admits beyond its streams (Check, Info, ...)
 
 
@@ -114,11 +114,13 @@ class Server:
     def __init__(self, service_names: list[str], max_message_bytes: int, interceptors=(),
                  options: list[tuple[str, int]] | None = None, maximum_concurrent_rpcs: int | None = None,
                  health_options: list[tuple[str, int]] | None = None,
-                 health_max_rpcs: int | None = None) -> None:
+                 health_max_rpcs: int | None = None,
+                 watch_limits: tuple[int, int] = (WATCH_PER_PEER, WATCH_TOTAL)) -> None:
         """`options` default to `server_options(max_message_bytes)` (the stage hops'); the public API passes
-        its own, with `maximum_concurrent_rpcs`; `health_*` are those of the plaintext health port."""
+        its own, with `maximum_concurrent_rpcs`; `health_*` are those of the plaintext health port;
+        `watch_limits` the health Watch streams per client address and in all (BoundedHealth)."""
         # undecodable request bytes: INVALID_ARGUMENT, not grpc.aio's UNKNOWN (after any auth check)
-        self.health = BoundedHealth()
+        self.health = BoundedHealth(*watch_limits)
         if maximum_concurrent_rpcs is not None:     # health Watch streams and unary calls come on top
             maximum_concurrent_rpcs += self.health.total + UNARY_ROOM
         self.server = grpc.aio.server(options=options or server_options(max_message_bytes),

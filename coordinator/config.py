@@ -76,9 +76,14 @@ class CoordinatorConfig(SpecConfig, TLSOptions):
                                         "--max-message-mb)")
     api_max_concurrent_rpcs: int = option(512, "Generate streams the public gRPC API serves at once, and requests "
                                                "the HTTP API serves at once; more are refused with "
-                                               "RESOURCE_EXHAUSTED / 429 (health, and gRPC health Watch streams, "
-                                               "at most 8 per client address and 128 in all, are counted apart); "
-                                               "the HTTP API holds twice this many connections at most")
+                                               "RESOURCE_EXHAUSTED / 429 (health, and gRPC health Watch streams: "
+                                               "--health-watch-per-client, --health-watch-max, are counted "
+                                               "apart); the HTTP API holds twice this many connections at most")
+    health_watch_per_client: int = option(8, "gRPC health Watch streams (public, no token) one client address may "
+                                             "hold open, on the API and health ports together; one more is refused "
+                                             "with RESOURCE_EXHAUSTED (Check always answers)")
+    health_watch_max: int = option(128, "gRPC health Watch streams open at once from all clients; they come on top "
+                                        "of --api-max-concurrent-rpcs, so they never shut out a Generate")
     http_timeout_s: float = option(30.0, "HTTP API: a request's headers and body must arrive within this")
     prework_limit: int = option(64, "requests being tokenised or parsed (chat templates, large JSON, /tokenize) at "
                                     "once, on threads of their own; more are refused with RESOURCE_EXHAUSTED / "
@@ -134,6 +139,8 @@ class CoordinatorConfig(SpecConfig, TLSOptions):
                              "http_timeout_s and stream_write_timeout_s positive")
         if self.prework_limit < 1:
             raise ValueError("prework_limit must be at least 1")
+        if not 1 <= self.health_watch_per_client <= self.health_watch_max:
+            raise ValueError("health Watch limits need 1 <= health_watch_per_client <= health_watch_max")
         if min(self.max_per_client, self.batch_timeout_s, self.drain_timeout_s) < 0:
             raise ValueError("max_per_client, batch_timeout_s and drain_timeout_s must be 0 or more")
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_cap:

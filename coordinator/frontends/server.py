@@ -57,7 +57,8 @@ class ApiServer(Server):
         auth = [ApiTokenInterceptor(config.api_token)] if config.api_token else []
         super().__init__([SERVICE_NAME], max_message, interceptors=auth, options=api_server_options(max_message),
                          maximum_concurrent_rpcs=config.api_max_concurrent_rpcs,
-                         health_options=api_server_options(64 * 1024), health_max_rpcs=64)
+                         health_options=api_server_options(64 * 1024), health_max_rpcs=64,
+                         watch_limits=(config.health_watch_per_client, config.health_watch_max))
         self.coordinator = coordinator
         self.serving: bool | None = None        # what health reports now (None: not started)
         self.generation: GenerationServicer | None = None     # the Generate service (set by `start`)

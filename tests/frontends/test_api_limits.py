@@ -306,6 +306,26 @@ async def test_held_health_watch_streams_never_lock_out_generate_or_check(tiny_m
             await wait_until(lambda: s.server.health.watching == 0, timeout=10)
 
 
+async def test_the_watch_bounds_are_the_flags(tiny_model):
+    """--health-watch-per-client 2 --health-watch-max 3: a third stream from one address is refused, naming
+    the bound; the config refuses a per-client bound above the total."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    with pytest.raises(ValueError, match="health_watch_per_client"):
+        CoordinatorConfig(stages=("a:1",), health_watch_per_client=5, health_watch_max=4)
+    async with serving(tiny_model, health_watch_per_client=2, health_watch_max=3) as s:
+        async with grpc.aio.insecure_channel(s.grpc_addr) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            watches = [health.Watch(health_pb2.HealthCheckRequest()) for _ in range(2)]
+            for w in watches:
+                assert (await w.read()).status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await health.Watch(health_pb2.HealthCheckRequest()).read()
+            assert err.value.code() == Code.RESOURCE_EXHAUSTED and "2 health Watch streams" in err.value.details()
+            assert (s.server.health.per_peer, s.server.health.total) == (2, 3)
+            for w in watches:
+                w.cancel()
+
+
 class WatchContext:
     """The parts of a grpc.aio.ServicerContext that BoundedHealth.Watch uses."""
 
