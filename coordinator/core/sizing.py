@@ -36,6 +36,12 @@ E_now = 0.8 -> 140 ms: none.
 
 What it chooses (`Sizer.step`, after every result; `choose` every max(8, 4 S) results):
 
+0. **Leave a draft-bound start at once**: before the rule knows what speculation commits, a start whose draft
+   rounds take DRAFT_BOUND times a stage step (r * d(w) > DRAFT_BOUND * (c(w) + hop), seen from the first two
+   draft rounds and the first result) is left for the largest choice whose rounds keep up with a stage step
+   (r * d(w) <= c(w) + hop), else the smallest: a CPU whose draft is the whole target spent its first ~10
+   results (1.9 s of `make run`) at width 32 x 2 rounds, 110-630 ms of draft each, before it could try none.
+   The GPU regime (2 * d(32) = 3.3 ms against c(32) + hop = 6.3 ms) starts and stays large.
 1. **Start large, try none**: the largest choice first; once the rule knows enough, unless speculation is
    predicted EXPLORE times as fast as none, none is tried (NONE_PACED results, after the S results of
    micro-batches sent before the switch), to measure what plain
@@ -69,6 +75,7 @@ MAX_RANK = 64                          # ranks counted (beyond: "not proposed")
 EXPLORE = 4.0                          # none is tried unless speculation is predicted this many times as fast
 NONE_PACED = 8                         # results measured before none's pace counts (a speculating choice's: half
                                        # a decision interval, as misses come in bursts; none has no misses)
+DRAFT_BOUND = 2.0                      # a start whose draft rounds take this many stage steps is left at once
 
 
 def load(requests: float) -> int:
@@ -234,6 +241,8 @@ class Sizer:
         self.calibration = 1.0                    # measured / modelled rate of the speculating choice in use
         self._last: float | None = None           # arrival of the previous result under the current choice
         self._skip = 0                            # results still to come of micro-batches of the previous choice
+        self.draft_rounds_seen = 0                # draft rounds observed (the first one warms up)
+        self.left_start = False                   # the draft-bound start has been left (step 0 of the rule)
 
     # -- what the scheduler sees ---------------------------------------------------------------------
     def observe_stage(self, rows: int, ms: float, speculating: bool = True) -> None:
@@ -266,6 +275,7 @@ class Sizer:
 
     def observe_draft(self, rows: int, ms: float) -> None:
         self.draft.add(rows, ms)
+        self.draft_rounds_seen += 1
 
     def observe_root(self, rank: int, injected: int) -> None:
         """A verification at a root: the target's token was the draft's `rank`-th child (-1: not proposed);
@@ -339,6 +349,12 @@ class Sizer:
         """After each result: the choice for what follows — the rule (`choose`) as soon as it knows enough,
         then every `every` results, and as soon as a trial of none has been measured."""
         self._since += 1
+        if not self.left_start and not self.decided:
+            smaller = self.leave_draft_bound_start()
+            if smaller is not None:
+                self.left_start, self._since = True, 0
+                self._switch(smaller)
+                return self.choice
         trial_done = self.trying and self.measured(NONE, requests) is not None
         if self._since < self.every and (self.decided or not self.ready) and not trial_done:
             return self.choice
@@ -373,6 +389,27 @@ class Sizer:
         if best != self.choice:
             self._switch(best)
         return self.choice
+
+    def leave_draft_bound_start(self) -> Choice | None:
+        """Step 0 of the rule (module docstring): the choice to leave a draft-bound start for, or None (not
+        draft-bound, not known yet: two draft rounds and a stage step seen, or a pinned width).
+
+            S = 4, c(w) = 50 ms (one bucket: flat), hop 0; draft rounds of 16 and 32 rows took 212 and 626 ms
+            (a line through the origin: d(w) = 18.3 w). The start (32, 16, 2): 2 * d(32) = 1171 > 2 * 50, so
+            it is left; (2, 4, 2): 73 > 50; (2, 4, 1): 36.6 <= 50 -> (2, 4, 1), the widest that keeps up.
+        """
+        c, choice = self.costs[True], self.choice
+        if self.sizing.pin_width or not choice.speculates or self.draft_rounds_seen < 2 or not c.stage.known:
+            return None
+        hop = c.hop.value or 0.0
+
+        def keeps_up(x: Choice, factor: float = 1.0) -> bool:
+            return x.rounds * self.draft(x.width) <= factor * (c.stage(x.width) + hop)
+        if keeps_up(choice, DRAFT_BOUND):
+            return None
+        smaller = [x for x in self.candidates() if x.speculates and x.width <= choice.width and keeps_up(x)]
+        return max(smaller, key=lambda x: (x.width, x.rounds)) if smaller else \
+            min((x for x in self.candidates() if x.speculates), key=lambda x: (x.width, x.rounds))
 
     def _switch(self, choice: Choice) -> None:
         self.choice = choice

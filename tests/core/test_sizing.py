@@ -200,3 +200,36 @@ def test_a_change_must_promise_more(gain, measured, moves):
     now, other = Choice(32, 16, 2), Choice(8, 8, 1)
     sizer = Table({now: 1.0, other: gain}, {now, other} if measured else {now})
     assert sizer.choose() == (other if moves else now)
+
+
+def test_a_draft_bound_start_is_left_for_the_widest_choice_that_keeps_up():
+    """The module's step 0, its docstring's example: stages of 50 ms (one bucket seen: flat), draft rounds of
+    16 and 32 rows that took 212 and 626 ms. After the first result the start (32, 16, 2) is left for
+    (2, 4, 1) at once, before the rule knows any acceptance; it is not done twice."""
+    sizer = Sizer(4, Sizing.of(0, 0, 0))
+    sizer.observe_draft(16, 212.0)
+    assert sizer.step() == Choice(32, 16, 2), "one draft round (a warm-up) and no stage step: not known yet"
+    sizer.observe_stage(43, 50.0)
+    sizer.observe_draft(32, 626.0)
+    assert sizer.leave_draft_bound_start() == Choice(2, 4, 1)
+    assert sizer.step() == Choice(2, 4, 1) and sizer.left_start and not sizer.decided
+    sizer.observe_draft(2, 400.0)                # even slower now: step 0 is not repeated
+    assert sizer.step() == Choice(2, 4, 1)
+
+
+def test_a_start_whose_draft_keeps_up_stays_and_a_pinned_width_never_leaves():
+    gpu = _gpu()                               # 2 * d(32) = 3.3 ms against c(32) + hop = 6.3 ms
+    assert gpu.leave_draft_bound_start() is None and gpu.step() == Choice(32, 16, 2)
+    pinned = Sizer(4, Sizing.of(32, 0, 0))
+    pinned.observe_stage(43, 50.0)
+    for rows, ms in ((16, 212.0), (32, 626.0)):
+        pinned.observe_draft(rows, ms)
+    assert pinned.leave_draft_bound_start() is None and pinned.step().width == 32
+
+
+def test_a_draft_too_slow_for_any_choice_leaves_for_the_smallest():
+    sizer = Sizer(4, Sizing.of(0, 0, 0))
+    sizer.observe_stage(8, 10.0)
+    for rows, ms in ((16, 300.0), (32, 300.0)):  # one bucket each, flat at 300 ms: nothing keeps up
+        sizer.observe_draft(rows, ms)
+    assert sizer.step() == Choice(1, 4, 1)
