@@ -120,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     _generation_args(p)
     _pipeline_args(p)
+    p.add_argument("--warmup-tokens", type=int, default=64,
+                   help="before the prompt, calibrate specpipe's cost rule with a generation of up to this many "
+                        "tokens from a fixed prompt, ended once the rule has decided (0: off; the rule then "
+                        "learns inside your request); its time is printed apart")
     p = sub.add_parser("local", help="serve a local pipeline (stages + coordinator) until Ctrl-C",
                        epilog=LOCAL_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     _pipeline_args(p)
@@ -326,6 +330,7 @@ async def cmd_run(args: argparse.Namespace) -> int:
     coordinator = None
     try:
         coordinator = await Coordinator.connect(config, parts)
+        warmup_s = await coordinator.warm_up(args.warmup_tokens)
         started = time.perf_counter()
         text, ids, last = [], [], None
         async for chunk in coordinator.generate(_input(args)):
@@ -340,14 +345,14 @@ async def cmd_run(args: argparse.Namespace) -> int:
         result = {"text": "".join(text), "token_ids": ids, "method": config.method, "stages": args.stages,
                   "finish_reason": last.finish_reason, "steps": stats.steps,
                   "tokens_per_step": stats.tokens_per_step, "tbt_ms": stats.tbt_ms, "ttft_ms": stats.ttft_ms,
-                  "prompt_tokens": stats.prompt_tokens, "wall_s": wall,
+                  "prompt_tokens": stats.prompt_tokens, "wall_s": wall, "warmup_s": warmup_s,
                   "counters": {k: v for k, v in stats.as_dict().items() if k not in shown}}
         if args.json:
             print(json.dumps(result))
         else:
             print()
             print(summary_line(len(ids), last.finish_reason, stats.tokens_per_step, stats.tbt_ms, stats.ttft_ms,
-                               stats.wall_ms / 1e3, stats.sized_width),
+                               stats.wall_ms / 1e3, stats.sized_width, warmup_s),
                   file=sys.stderr, flush=True)
         return 0
     finally:
@@ -357,12 +362,13 @@ async def cmd_run(args: argparse.Namespace) -> int:
 
 
 def summary_line(tokens: int, finish_reason: str, tokens_per_step: float, tbt_ms: float, ttft_ms: float,
-                 wall_s: float, sized_width: float | None = None) -> str:
+                 wall_s: float, sized_width: float | None = None, warmup_s: float = 0.0) -> str:
     """The one line `specpipe run` and `specpipe generate` print to stderr after the text (from the final
     stats: mean time between tokens, time to first token, the server's wall time; for specpipe sized by its
-    cost rule, the width it ended at or "no speculation")."""
+    cost rule, the width it ended at or "no speculation", and the rule's warm-up before the request)."""
     rule = "" if sized_width is None else \
         f", cost rule: {f'width {int(sized_width)}' if sized_width else 'no speculation'}"
+    rule += f" after a {warmup_s:.1f} s warm-up" if warmup_s > 0 else ""
     return (f"[{tokens} tokens ({finish_reason or 'unfinished'}), {tokens_per_step:.2f} tokens/step, "
             f"{tbt_ms:.1f} ms between tokens, first token after {ttft_ms:.0f} ms, {wall_s:.2f} s{rule}]")
 

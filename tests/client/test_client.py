@@ -33,7 +33,7 @@ from helpers.wait import wait_until_blocking
 
 ROOT = Path(__file__).resolve().parents[2]
 SUMMARY = re.compile(r"^\[(\d+) tokens \((length|eos|stop)\), [\d.]+ tokens/step, [\d.]+ ms between tokens, "
-                     r"first token after \d+ ms, [\d.]+ s(, cost rule: (width \d+|no speculation))?\]$")
+                     r"first token after \d+ ms, [\d.]+ s(, cost rule: (width \d+|no speculation)( after a [\d.]+ s warm-up)?)?\]$")
 
 
 def add_byte_tokenizer(folder: Path) -> None:
@@ -219,6 +219,15 @@ def specpipe(*args: str, env: dict | None = None) -> subprocess.CompletedProcess
 
 
 @pytest.mark.grpc
+def test_the_summary_line_names_the_rules_choice_and_its_warm_up_apart():
+    from coordinator.cli.main import summary_line
+    line = summary_line(35, "eos", 0.25, 87.44, 618.0, 3.59, 0.0, 3.42)
+    assert SUMMARY.match(line) and line.endswith("cost rule: no speculation after a 3.4 s warm-up]"), line
+    line = summary_line(35, "eos", 0.25, 87.44, 618.0, 3.59, 8.0)
+    assert SUMMARY.match(line) and line.endswith("cost rule: width 8]"), line
+    assert "warm-up" not in summary_line(8, "length", 0.25, 80.0, 400.0, 1.0)
+
+
 def test_specpipe_generate_prints_text_then_one_summary_line(served, tiny_hf, tokenizer):
     expected = hf_greedy(tiny_hf, list(b"hello"), 8)
     proc = specpipe("generate", "hello", "--raw", "--max-new-tokens", "8", "--ignore-eos", "--method", "pp",

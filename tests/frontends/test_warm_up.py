@@ -1,0 +1,36 @@
+"""`Coordinator.warm_up` (what `specpipe run --warmup-tokens` calls before the prompt): one generation from a fixed
+prompt that teaches specpipe's cost rule what this pipeline costs, ended once the rule has decided; nothing of
+it is left but what the rule learnt, and the request after it is exact."""
+from __future__ import annotations
+
+import pytest
+
+from coordinator.frontends.service import GenerateInput
+from helpers.reference import hf_greedy
+from helpers.stage_servers import served_coordinator
+from helpers.wait import wait_until_empty
+
+pytestmark = pytest.mark.grpc
+
+
+async def test_the_warm_up_ends_once_the_rule_has_decided_and_leaves_nothing(tiny_model, tiny_hf):
+    async with served_coordinator(str(tiny_model), 2, stage_time_ms="5", max_new_tokens_cap=400) as served:
+        coord = served.coord
+        sizer = coord.engine.scheduler("specpipe").sizer
+        assert not sizer.decided
+        seconds = await coord.warm_up(400)
+        assert seconds > 0 and sizer.decided and not sizer.trying
+        assert coord.engine.active == 0
+        await wait_until_empty(served.stages, coord)
+        prompt = [5, 6, 7, 8]
+        tokens = [t async for c in coord.generate(GenerateInput(prompt_token_ids=prompt, max_new_tokens=12,
+                                                                ignore_eos=True)) for t in c.token_ids]
+        assert tokens == hf_greedy(tiny_hf, prompt, 12)
+
+
+async def test_no_warm_up_without_a_rule_or_tokens(tiny_model):
+    async with served_coordinator(str(tiny_model), 2, method="pp") as served:
+        assert await served.coord.warm_up(64) == 0.0            # pp has no cost rule
+    async with served_coordinator(str(tiny_model), 2, width=4, topk=2, draft_rounds=1) as served:
+        assert await served.coord.warm_up(64) == 0.0            # all three pinned: no rule
+        assert await served.coord.warm_up(0) == 0.0
