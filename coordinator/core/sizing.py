@@ -372,6 +372,8 @@ class Sizer:
         if self.choice.speculates and seen is None:
             return self.choice            # the choice in use is judged (and calibrates the model) once measured
         self.decided = True
+        if self.choice.speculates:        # (before a trial of none: what was measured must not be lost to it)
+            self.calibration = seen / max(self.rate(self.choice, requests), 1e-9)
         if self.choice.speculates and not self.sizing.pin_width and self.measured(NONE, requests) is None and \
                 not self.tried:
             best = max(self.expected(c, requests) for c in self.candidates() if c.speculates)
@@ -379,8 +381,6 @@ class Sizer:
                 self.tried = self.trying = True
                 self._switch(NONE)
                 return self.choice
-        if self.choice.speculates:
-            self.calibration = seen / max(self.rate(self.choice, requests), 1e-9)
         def score(c: Choice) -> float:           # a change must promise more: more still if never measured
             margin = 0.0 if c == self.choice else MARGIN if self.measured(c, requests) is not None else UNTRIED
             return self.expected(c, requests) / (1 + margin)

@@ -233,3 +233,24 @@ def test_a_draft_too_slow_for_any_choice_leaves_for_the_smallest():
     for rows, ms in ((16, 300.0), (32, 300.0)):  # one bucket each, flat at 300 ms: nothing keeps up
         sizer.observe_draft(rows, ms)
     assert sizer.step() == Choice(1, 4, 1)
+
+
+def test_a_speculating_choice_measured_slow_before_the_trial_of_none_keeps_its_calibration():
+    """The CPU profile: width 32 x 2 rounds measured at half its model's pace (calibration 0.5); then none is
+    tried and measured at 250 ms per token. The untried narrow choices, modelled faster than that by more
+    than the 25% margin but slower once scaled by the measured calibration, must not be tried: before, the
+    trial's switch returned before the calibration was recorded, and the rule went back to speculating."""
+    sizer = Sizer(4, Sizing.of(0, 0, 0))
+    _teach(sizer, (28.0, 0.5), 1.0, (112.0, 0.5), 3.0, 0.8, [0] * 80 + [1] * 10 + [-1] * 10)
+    modelled = 1 / sizer.rate(sizer.choice)
+    _pace(sizer, 2 * modelled, 16)
+    assert sizer.choose() == NONE and sizer.trying
+    assert sizer.calibration == pytest.approx(0.5, rel=0.01)
+    fastest = max((c for c in sizer.candidates() if c.speculates), key=sizer.rate)
+    assert 1 / sizer.rate(fastest) * 1.25 < 250.0 < 1 / (sizer.rate(fastest) * 0.5), "the case this test is for"
+    t = 2 * modelled * 16
+    for _ in range(14):
+        t += 250.0
+        sizer.observe_result(t, 1)
+        choice = sizer.step()
+    assert not sizer.trying and choice == NONE and sizer.choose() == NONE
