@@ -66,6 +66,7 @@ class BenchConfig:
     device: str = "cpu"
     threads: int = 1
     hf_reference: bool = False         # also time transformers' generate / assisted generate in-process
+    warmup_tokens: int = 64            # real processes: each cost rule's warm-up before the measured prompts
     sps_ks: list[int] = field(default_factory=list)                    # sweep of sps k (empty: default)
     tree_shapes: list[tuple[int, int]] = field(default_factory=list)   # sweep of tree (nodes, depth)
     concurrency: list[int] = field(default_factory=lambda: [1])   # >1: clients at once (bench_load)

@@ -49,6 +49,8 @@ async def run_bench(cfg: BenchConfig, log=print) -> dict:
             coordinator = await Coordinator.connect(config, await loading)
             runs: dict[Variant, list[dict]] = {v: [] for v in cfg.variants}
             await generate_one(coordinator, cfg.variants[0], prompts[0], 4)            # warm-up, not counted
+            for v in cfg.variants:          # each cost rule learns this machine first, as `specpipe run` does
+                await coordinator.warm_up(cfg.warmup_tokens, v.method, v.overrides())
             if cfg.load:
                 out_rows += await run_levels(coordinator, cfg.variants, prompts, num_stages, cfg.concurrency,
                                              cfg.rounds, cfg.max_new_tokens, stage_time, log, cfg.temperature,
@@ -173,6 +175,10 @@ def main_args(p) -> None:
                         "verification, dispatch; everything but the draft model's forward), or not (0)")
     p.add_argument("--hf-reference", action="store_true",
                    help="also time transformers' generate and generate(assistant_model=<quant draft>) in-process")
+    p.add_argument("--warmup-tokens", type=int, default=64,
+                   help="real processes: before the measured prompts, warm each variant's cost rule up with a "
+                        "generation of up to this many tokens, ended once the rule has decided (as `specpipe run` "
+                        "does; 0: the first prompts pay the rule's exploration)")
 
 
 def config_from_args(a) -> BenchConfig:
@@ -184,7 +190,8 @@ def config_from_args(a) -> BenchConfig:
                        policies=strs(a.tree_policies), stage_time_ms=given("stage_time_ms"),
                        max_new_tokens=a.max_new_tokens, prompts=a.prompts, num_prompts=a.num_prompts,
                        out=a.out, model=a.model, draft=a.draft, dtype=a.dtype, device=a.device, threads=a.threads,
-                       hf_reference=a.hf_reference, sps_ks=ints(a.sps_k), concurrency=ints(a.concurrency),
+                       hf_reference=a.hf_reference, warmup_tokens=getattr(a, "warmup_tokens", 64),
+                       sps_ks=ints(a.sps_k), concurrency=ints(a.concurrency),
                        rounds=a.rounds, node_budget=a.node_budget, temperature=a.temperature,
                        request_rates=_rates(a.request_rate),
                        verifies=strs(a.verifies), topks=ints(a.topks), draft_rounds=ints(a.draft_rounds),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
@@ -167,8 +168,9 @@ class Coordinator:
         coordinator.generation_defaults = defaults
         return coordinator
 
-    async def warm_up(self, max_tokens: int) -> float:
-        """Calibrate the default method's cost rule (coordinator/core/sizing.py) before the first request: one
+    async def warm_up(self, max_tokens: int, method: str = "", spec_overrides: dict | None = None) -> float:
+        """Calibrate a method's cost rule (coordinator/core/sizing.py; default: the server's method and settings,
+        else those a request with `spec_overrides` gets) before the first request: one
         generation of up to `max_tokens` tokens from a fixed prompt (never the user's), ended as soon as the rule
         has made its first decision (a trial of no speculation included). Returns the seconds it took (0: the
         default method has no rule, or `max_tokens` is 0). Only what the rule learnt is kept: the request is
@@ -178,7 +180,9 @@ class Coordinator:
         exploration inside its one request (on a 2-core CPU whose draft is the whole target, ~1.5-1.9 s of
         speculating before no speculation was tried and kept: ~30 ms more between tokens than `pp`).
         """
-        sizer = getattr(self.engine.scheduler(self.config.method), "sizer", None)
+        method = method or self.config.method
+        spec = self._spec(GenerateInput(spec_overrides=spec_overrides))
+        sizer = getattr(self.engine.scheduler(method, spec), "sizer", None)
         if sizer is None or max_tokens < 1:
             return 0.0
         started = time.perf_counter()
@@ -186,8 +190,8 @@ class Coordinator:
             prompt = self.encoder.encode(WARMUP_PROMPT, chat=False)
         except ValueError:                          # no tokenizer: any ids of the vocabulary will do
             prompt = [1 + i % (self.limits.vocab_size - 1) for i in range(24)]
-        request_id, events = await self.engine.submit(prompt, max_new_tokens=max_tokens,
-                                                      method=self.config.method, request_id="warm-up")
+        request_id, events = await self.engine.submit(prompt, max_new_tokens=max_tokens, method=method, spec=spec,
+                                                      request_id=f"warm-up-{uuid.uuid4().hex[:8]}")
         try:
             while isinstance(await events.get(), Tokens):     # until it has finished, cancelled once decided
                 if sizer.decided and not sizer.trying:

@@ -34,3 +34,15 @@ async def test_no_warm_up_without_a_rule_or_tokens(tiny_model):
     async with served_coordinator(str(tiny_model), 2, width=4, topk=2, draft_rounds=1) as served:
         assert await served.coord.warm_up(64) == 0.0            # all three pinned: no rule
         assert await served.coord.warm_up(0) == 0.0
+
+
+async def test_a_warm_up_with_settings_warms_the_scheduler_requests_with_them_get(tiny_model):
+    """The bench warms each variant's rule up: `spec_overrides` picks the scheduler a request with the same
+    overrides runs on, not the default one."""
+    from dataclasses import replace
+    async with served_coordinator(str(tiny_model), 2, stage_time_ms="5", max_new_tokens_cap=400) as served:
+        coord = served.coord
+        assert await coord.warm_up(400, "specpipe", {"width": 8}) > 0
+        assert coord.engine.scheduler("specpipe", replace(coord.engine.spec, width=8)).sizer.decided
+        assert not coord.engine.scheduler("specpipe").sizer.decided
+        await wait_until_empty(served.stages, coord)
