@@ -136,9 +136,9 @@ def test_any_order_of_results_and_draft_work_gives_the_exact_output(drafts_and_s
     be handled before the draft expanded its nodes. Whatever the order, the output is transformers' greedy
     output and nothing is left on the stages. (sps / tree used to fail with 'draft rejected nodes: node 5
     has unknown parent 4' when the prompt's result beat the draft: INTERNAL for a good request.)"""
-    from coordinator.core.schedulers.base import Broadcast, Emit, Finish, Inject, Request
+    from coordinator.core.schedulers.base import Request
     from coordinator.core.schedulers.registry import SpecOptions, make_scheduler
-    from helpers.shard import through
+    from helpers.shard import play
     sources, runners = drafts_and_stages
     sched = make_scheduler(method, 2, SpecOptions(draft=sources[draft], width=3, sps_k=3, tree_nodes=6,
                                                   tree_depth=3, topk=2))
@@ -147,17 +147,11 @@ def test_any_order_of_results_and_draft_work_gives_the_exact_output(drafts_and_s
     results, tokens, finished = [], [], None
     try:
         while finished is None:
-            for action in sched.poll():
-                if isinstance(action, Broadcast):
-                    for r in runners:
-                        r.apply(action.control)
-                elif isinstance(action, Inject):
-                    results.append(through(runners, action.batch))
-                elif isinstance(action, Emit):
-                    tokens += action.token_ids
-                elif isinstance(action, Finish):
-                    finished = action
-            if finished is not None:
+            new, emits, finishes = play(sched.poll(), runners)
+            results += new
+            tokens += [t for e in emits for t in e.token_ids]
+            if finishes:
+                finished = finishes[0]
                 break
             choices = (["result"] if results else []) + (["work"] if sched.has_work else [])
             assert choices, "the scheduler stalled"

@@ -3,12 +3,16 @@ against transformers).
 
     runners = make_runners(tiny_model, 2)                          # layers [0, 2) and [2, 4), fp32, CPU
     out = through(runners, MicroBatch(1, [chain("r", [5, 6, 7])]))  # nodes 0 -> 1 -> 2 at positions 0, 1, 2
+    results, emits, finishes = play(sched.poll(), runners)          # a scheduler's actions carried out
 """
 from __future__ import annotations
 
 import torch
 
+from collections.abc import Iterable
+
 from common.batch import MicroBatch, Segment
+from coordinator.core.schedulers.base import Action, Broadcast, Emit, Finish, Inject
 from services.model.shard import even_split, load_shard
 from services.runner import StageRunner
 
@@ -35,3 +39,23 @@ def through(runners: list[StageRunner], batch: MicroBatch) -> MicroBatch:
     for r in runners:
         batch = r.step(batch)
     return batch
+
+
+def play(actions: Iterable[Action], runners: list[StageRunner]) -> tuple[list[MicroBatch], list[Emit], list[Finish]]:
+    """Carry a scheduler's actions out on in-process stages, in order: a broadcast is applied to every stage,
+    an injected micro-batch goes through them all (its result is returned, in order: the caller hands it back
+    to `on_result` when it likes); emits and finishes are returned as they came."""
+    results: list[MicroBatch] = []
+    emits: list[Emit] = []
+    finishes: list[Finish] = []
+    for action in actions:
+        if isinstance(action, Broadcast):
+            for r in runners:
+                r.apply(action.control)
+        elif isinstance(action, Inject):
+            results.append(through(runners, action.batch))
+        elif isinstance(action, Emit):
+            emits.append(action)
+        elif isinstance(action, Finish):
+            finishes.append(action)
+    return results, emits, finishes

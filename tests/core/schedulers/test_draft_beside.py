@@ -13,13 +13,13 @@ from hypothesis import strategies as st
 
 from coordinator.core.drafts.job import DraftJob, DraftResults
 from coordinator.core.drafts.model import ModelDraft, quantized_copy
-from coordinator.core.schedulers.base import Broadcast, Emit, Finish, Inject, Request
+from coordinator.core.schedulers.base import Finish, Request
 from coordinator.core.schedulers.specpipe import SpecPipeScheduler
 from coordinator.core.sizing import NONE, Choice, Sizer, Sizing
 from helpers.drafts import AlwaysWrong, always_right
 from helpers.leftovers import assert_nothing_left
 from helpers.reference import hf_greedy, prompts, reference_sample
-from helpers.shard import make_runners, through
+from helpers.shard import make_runners, play
 from common.sampling import Sampling
 
 IDS = itertools.count()
@@ -44,17 +44,13 @@ class Driver:
         self.finished: dict[str, Finish] = {}
 
     def drain(self) -> None:
-        for action in self.sched.poll():
-            if isinstance(action, Broadcast):
-                for r in self.runners:
-                    r.apply(action.control)
-            elif isinstance(action, Inject):
-                self.results.append(through(self.runners, action.batch))
-            elif isinstance(action, Emit):
-                self.tokens.setdefault(action.request_id, []).extend(action.token_ids)
-            elif isinstance(action, Finish):
-                assert action.request_id not in self.finished, f"{action.request_id} finished twice"
-                self.finished[action.request_id] = action
+        results, emits, finishes = play(self.sched.poll(), self.runners)
+        self.results += results
+        for emit in emits:
+            self.tokens.setdefault(emit.request_id, []).extend(emit.token_ids)
+        for finish in finishes:
+            assert finish.request_id not in self.finished, f"{finish.request_id} finished twice"
+            self.finished[finish.request_id] = finish
 
     def choices(self) -> list[str]:
         out = ["result"] if self.results else []

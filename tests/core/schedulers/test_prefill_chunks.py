@@ -6,14 +6,14 @@ import pytest
 
 from common.batch import MicroBatch
 
-from coordinator.core.schedulers.base import Broadcast, Emit, Finish, Inject, Request
+from coordinator.core.schedulers.base import Request
 from coordinator.core.schedulers.registry import SpecOptions, make_scheduler
 from coordinator.core.vocabulary import METHODS
 from coordinator.engine.loops.inprocess import InProcessPipeline
 from helpers.drafts import make_draft
 from helpers.leftovers import assert_nothing_left
 from helpers.reference import hf_greedy
-from helpers.shard import make_runners, through
+from helpers.shard import make_runners, play
 
 CHUNK = 3
 
@@ -63,18 +63,13 @@ def test_a_baselines_draft_prefill_goes_one_chunk_per_work_call_with_results_bet
     finished: set[str] = set()
 
     def drain() -> None:
-        for action in sched.poll():
-            if isinstance(action, Broadcast):
-                for r in runners:
-                    r.apply(action.control)
-            elif isinstance(action, Inject):
-                results.append(through(runners, action.batch))
-            elif isinstance(action, Emit):
-                tokens[action.request_id] += action.token_ids
-                if action.request_id == "a" and "b" not in sched.begun:
-                    a_between.append(sched.draft_prefilled.get("b", 0))
-            elif isinstance(action, Finish):
-                finished.add(action.request_id)
+        new, emits, finishes = play(sched.poll(), runners)
+        results.extend(new)
+        for emit in emits:
+            tokens[emit.request_id] += emit.token_ids
+            if emit.request_id == "a" and "b" not in sched.begun:
+                a_between.append(sched.draft_prefilled.get("b", 0))
+        finished.update(f.request_id for f in finishes)
     drain()
     while len(finished) < 2 or sched.has_work:
         if sched.has_work:
