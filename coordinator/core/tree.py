@@ -344,6 +344,11 @@ class TokenTree:
         """The target's tokens after these nodes (a result's output rows); ids no longer live are skipped."""
         if not len(node_ids):
             return
+        if len(node_ids) == 1:                    # a plain request's root, a trip's bonus: no column work
+            r = self.row(int(node_ids[0]), strict=False)
+            if r >= 0:
+                self.a.target_next[r] = int(tokens[0])
+            return
         rows, live = self.rows(np.asarray(node_ids, np.int64))
         self.a.target_next[rows[live]] = np.asarray(tokens, np.int64)[live]
 
@@ -358,6 +363,8 @@ class TokenTree:
     def matching_child(self, node_id: int, token: int) -> int | None:
         """The injected child of node_id that carries `token`, if any."""
         a = self.a
+        if a.n == 1:                              # the root alone (no speculation): no child at all
+            return None
         hit = np.flatnonzero((a.parent == node_id) & a.injected & (a.token == token))
         return int(a.id[hit[0]]) if len(hit) else None
 
@@ -417,15 +424,17 @@ class TokenTree:
     def restart(self, token: int) -> tuple[int, Pruned]:
         """Miss: commit `token` as a new bonus node below the root, pruning everything else.
         Returns (bonus id, what was pruned). The bonus still has to be expanded and injected."""
-        dropped = np.ones(len(self.a.id), bool)
-        dropped[0] = False
-        pruned = self._pruned(dropped)
+        if self.a.n == 1:                         # the root alone: nothing to prune
+            pruned = Pruned()
+        else:
+            dropped = np.ones(len(self.a.id), bool)
+            dropped[0] = False
+            pruned = self._pruned(dropped)
         bonus = self.new_ids(1)
         depth = int(self.a.depth[0]) + 1
         self.q.pop(self.root, None)
         self.target_p.pop(self.root, None)
-        self.a.clear()
-        self.a.append(np.array([bonus]), np.array([-1]), np.array([token]), np.array([depth]), np.zeros(1))
+        self.a.reset(bonus, token, depth)
         self.root = bonus
         return bonus, pruned
 
@@ -446,6 +455,8 @@ class TokenTree:
     def segment_rows(self, node_ids: Sequence[int], root_parent: int) -> tuple[list[int], list[int], list[int]]:
         """(parents, positions, tokens) of live nodes for a micro-batch or a draft call; the root's parent is
         `root_parent` (the committed node before it)."""
+        if len(node_ids) == 1 and node_ids[0] == self.root:      # a plain request's micro-batch
+            return [root_parent], [int(self.a.depth[0])], [int(self.a.token[0])]
         rows, _ = self.rows(np.asarray(node_ids, np.int64))
         parents = self.a.parent[rows]
         parents = np.where(rows == 0, root_parent, parents)

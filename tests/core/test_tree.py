@@ -213,6 +213,24 @@ def test_restart_with_no_children_prunes_nothing():
     assert t.root == 6 and t.nodes[6].depth == 8
 
 
+def test_a_root_alone_restarts_and_verifies_on_its_fast_paths_as_on_the_columns():
+    """A plain request's tree is its root alone: restart writes the bonus in place (NodeArrays.reset), a
+    single target token and the root's segment row skip the column lookups. The tree after two such steps is
+    the one the general paths give: the bonus's target token is unknown and it can grow children again."""
+    t = make_tree(root_id=5, root_depth=7)
+    t.set_target_next([5], [42])
+    assert t.matching_child(5, 42) is None and t.root_node.target_next == 42
+    assert t.segment_rows([5], root_parent=4) == ([4], [7], [t.nodes[5].token])
+    bonus, pruned = t.restart(42)
+    assert (bonus, list(pruned)) == (6, []) and t.root == 6
+    assert t.segment_rows([6], root_parent=5) == ([5], [8], [42]) and t.root_node.target_next is None
+    t.set_target_next([5], [1])                                   # an id no longer live: skipped
+    assert t.root_node.target_next is None and t.a.where_one(5) == -1 and t.a.where_one(6) == 0
+    t.add_children(6, [(7, -0.1), (8, -0.2)])
+    t.set_target_next([6], [8])
+    assert set(t.nodes) == {6, 7, 8} and t.nodes[7].parent == 6 and t.root_node.target_next == 8
+
+
 def test_path_tokens_and_live_injected():
     t = make_tree(root_depth=10)
     assert t.path_tokens(0) == [] and t.live_injected() == []
