@@ -170,10 +170,10 @@ class Coordinator:
 
     async def warm_up(self, max_tokens: int, method: str = "", spec_overrides: dict | None = None) -> float:
         """Calibrate a method's cost rule (coordinator/core/sizing.py; default: the server's method and settings,
-        else those a request with `spec_overrides` gets) before the first request: one
-        generation of up to `max_tokens` tokens from a fixed prompt (never the user's), ended as soon as the rule
-        has made its first decision (a trial of no speculation included). Returns the seconds it took (0: the
-        default method has no rule, or `max_tokens` is 0). Only what the rule learnt is kept: the request is
+        else those a request with `spec_overrides` gets) before the first request: one generation of up to
+        `max_tokens` tokens from a fixed prompt (never the user's), ended as soon as the rule has made its first
+        decision (a trial of no speculation included). Returns the seconds it took (0: the method has no rule,
+        `max_tokens` is 0, or the context has no room). Only what the rule learnt is kept: the request is
         cancelled and releases its KV like any other, and it is not counted in the request metrics.
 
         Why: a long-lived server learns over its first requests; a one-shot `specpipe run` would pay the whole
@@ -190,6 +190,9 @@ class Coordinator:
             prompt = self.encoder.encode(WARMUP_PROMPT, chat=False)
         except ValueError:                          # no tokenizer: any ids of the vocabulary will do
             prompt = [1 + i % (self.limits.vocab_size - 1) for i in range(24)]
+        max_tokens = min(max_tokens, self.limits.max_position - len(prompt))
+        if max_tokens < 1:
+            return 0.0
         request_id, events = await self.engine.submit(prompt, max_new_tokens=max_tokens, method=method, spec=spec,
                                                       request_id=f"warm-up-{uuid.uuid4().hex[:8]}")
         try:
@@ -198,8 +201,9 @@ class Coordinator:
                     self.engine.cancel(request_id)
         finally:
             self.engine.cancel(request_id)
-        log.info("cost rule warmed up", seconds=round(time.perf_counter() - started, 2), choice=str(sizer.choice))
-        return time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        log.info("cost rule warmed up", seconds=round(seconds, 2), choice=str(sizer.choice))
+        return seconds
 
     async def close(self) -> None:
         self.begin_close()

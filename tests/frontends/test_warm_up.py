@@ -34,6 +34,10 @@ async def test_no_warm_up_without_a_rule_or_tokens(tiny_model):
     async with served_coordinator(str(tiny_model), 2, width=4, topk=2, draft_rounds=1) as served:
         assert await served.coord.warm_up(64) == 0.0            # all three pinned: no rule
         assert await served.coord.warm_up(0) == 0.0
+    async with served_coordinator(str(tiny_model), 2) as served:
+        from dataclasses import replace
+        served.coord.limits = replace(served.coord.limits, max_position=24)    # the fixed prompt fills it
+        assert await served.coord.warm_up(64) == 0.0 and served.coord.engine.active == 0
 
 
 async def test_a_warm_up_with_settings_warms_the_scheduler_requests_with_them_get(tiny_model):
