@@ -242,7 +242,7 @@ class Sizer:
         self._last: float | None = None           # arrival of the previous result under the current choice
         self._skip = 0                            # results still to come of micro-batches of the previous choice
         self.draft_rounds_seen = 0                # draft rounds observed (the first one warms up)
-        self.left_start = False                   # the draft-bound start has been left (step 0 of the rule)
+        self.left_start = False                   # step 0 of the rule has looked (and left a draft-bound start)
 
     # -- what the scheduler sees ---------------------------------------------------------------------
     def observe_stage(self, rows: int, ms: float, speculating: bool = True) -> None:
@@ -349,10 +349,11 @@ class Sizer:
         """After each result: the choice for what follows — the rule (`choose`) as soon as it knows enough,
         then every `every` results, and as soon as a trial of none has been measured."""
         self._since += 1
-        if not self.left_start and not self.decided:
+        if not self.left_start and not self.decided and self.draft_rounds_seen >= 2 and self.costs[True].stage.known:
+            self.left_start = True            # step 0 looks once, as soon as it can (not on every later result)
             smaller = self.leave_draft_bound_start()
             if smaller is not None:
-                self.left_start, self._since = True, 0
+                self._since = 0
                 self._switch(smaller)
                 return self.choice
         trial_done = self.trying and self.measured(NONE, requests) is not None

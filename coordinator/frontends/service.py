@@ -181,7 +181,7 @@ class Coordinator:
         speculating before no speculation was tried and kept: ~30 ms more between tokens than `pp`).
         """
         method = method or self.config.method
-        spec = self._spec(GenerateInput(spec_overrides=spec_overrides))
+        spec = self._spec(spec_overrides)
         sizer = getattr(self.engine.scheduler(method, spec), "sizer", None)
         if sizer is None or max_tokens < 1:
             return 0.0
@@ -233,8 +233,8 @@ class Coordinator:
         return check(ids, Asked(inp.max_new_tokens, inp.method, inp.temperature, inp.top_p, inp.top_k, inp.stop,
                                  inp.ignore_eos, inp.seed), self.limits, self.config.method, METHODS)
 
-    def _spec(self, inp: GenerateInput) -> SpecOptions | None:
-        return replace(self.engine.spec, **inp.spec_overrides) if inp.spec_overrides else None
+    def _spec(self, overrides: dict | None) -> SpecOptions | None:
+        return replace(self.engine.spec, **overrides) if overrides else None
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[Chunk]:
         with RequestMetrics(inp.method or self.config.method) as metrics:   # outcome, latency, tokens
@@ -251,7 +251,7 @@ class Coordinator:
         eos = frozenset() if params.ignore_eos else self.eos_ids
         try:
             request_id, events = await self.engine.submit(params.prompt_ids, params.max_new_tokens, params.method, eos,
-                                                   request_id=inp.request_id, spec=self._spec(inp),
+                                                   request_id=inp.request_id, spec=self._spec(inp.spec_overrides),
                                                    sampling=params.sampling, client=inp.client)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None

@@ -44,6 +44,11 @@ class DraftNode(NamedTuple):
 Proposals = ProposalRows | list[list[tuple[int, float]]]
 
 
+def piece_start(rows: dict[str, tuple[int, int]] | None, request_id: str) -> int:
+    """The first prompt row of a request's prefill piece in `begin_many` (0: its first piece, or all at once)."""
+    return (rows or {}).get(request_id, (0, 0))[0]
+
+
 class DraftSource(ABC):
     name = "draft"
 
@@ -74,7 +79,7 @@ class DraftSource(ABC):
         out: list[Exception | None] = []
         for request_id, prompt, sampling, keep_q in jobs:
             try:
-                if (rows or {}).get(request_id, (0, 0))[0] == 0:
+                if not piece_start(rows, request_id):
                     self.begin(request_id, prompt, sampling, keep_q)
                 out.append(None)
             except Exception as e:

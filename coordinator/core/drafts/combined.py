@@ -31,7 +31,7 @@ import torch
 
 from common.sampling import GREEDY, Sampling
 
-from coordinator.core.drafts.base import DraftNode, DraftSource, Proposals
+from coordinator.core.drafts.base import DraftNode, DraftSource, Proposals, piece_start
 from coordinator.core.drafts.model import ModelDraft
 from coordinator.core.drafts.ngram import NgramDraft
 
@@ -75,7 +75,7 @@ class CombinedDraft(DraftSource):
                    rows: dict[str, tuple[int, int]] | None = None) -> list[Exception | None]:
         out = self.model.begin_many(jobs, rows)
         for (request_id, prompt_ids, sampling, keep_q), error in zip(jobs, out):
-            if (rows or {}).get(request_id, (0, 0))[0]:
+            if piece_start(rows, request_id):
                 continue                         # a later piece of the model's prefill: begun already
             self.merged.discard(request_id)
             if error is None and not keep_q:

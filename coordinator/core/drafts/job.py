@@ -68,7 +68,7 @@ class DraftJob:
         before = draft.compute_s
         if self.begin:
             try:
-                errors = draft.begin_many(self.begin, self.rows) if self.rows else draft.begin_many(self.begin)
+                errors = draft.begin_many(self.begin, self.rows)
             except Exception as e:           # the call failed as a whole: every request in it
                 errors = [e] * len(self.begin)
             out.errors.update({request_id: e for (request_id, *_), e in zip(self.begin, errors) if e is not None})

@@ -49,7 +49,7 @@ class ModelDraft(DraftSource):
         to the rows [a, b) of its prompt (see DraftSource.begin_many).
 
             prefill_chunk 6, prompts a: 9 ids (8 rows), b: 3 ids (2 rows) -> calls [a 0:6], [b 0:2, a 6:8]
-            rows {"a": (6, 8)} (a's first 6 rows done before)                   -> calls [b 0:2, a 6:8]
+            rows {"a": (6, 8)} (a's first 6 rows done before)                   -> calls [a 6:8, b 0:2]
         """
         pieces: list[list[tuple[str, int, int, list[int]]]] = []    # level k: every request's k-th chunk
         for request_id, prompt_ids, sampling, keep_q in jobs:

@@ -239,12 +239,12 @@ class FailingDraft(ModelDraft):
 class FailingPrefill(FailingDraft):
     """A draft whose prefill call fails as a whole, after it has begun computing (its KV half written)."""
 
-    def begin_many(self, jobs):
+    def begin_many(self, jobs, rows=None):
         self.calls_seen += 1
         if self.calls_seen == self.fail_at:
-            super().begin_many(jobs)             # the KV and sampling state are there: the failure must free them
+            super().begin_many(jobs, rows)       # the KV and sampling state are there: the failure must free them
             raise RuntimeError("CUDA out of memory (simulated) in the prefill")
-        return super().begin_many(jobs)
+        return super().begin_many(jobs, rows)
 
 
 def test_a_draft_call_failing_as_a_whole_fails_its_requests_and_leaves_nothing(tiny_model, tiny_hf):
