@@ -85,6 +85,11 @@ class TokenTree:
     def root_node(self) -> NodeView:
         return NodeView(self, self.root)
 
+    def root_target(self) -> int | None:
+        """The target's token after the root (None: not known yet), asked on every result."""
+        t = int(self.a.target_next[0])
+        return None if t == NO_TOKEN else t
+
     def row(self, node_id: int, strict: bool = True) -> int:
         """The row of a live node (-1, or KeyError when strict, for an id that is not live)."""
         if node_id == self.root:
@@ -370,9 +375,10 @@ class TokenTree:
 
     def commit(self, child_id: int) -> Pruned:
         """Hit: the injected child becomes the root; its siblings' subtrees are pruned."""
-        if child_id not in self.nodes or self.nodes[child_id].parent != self.root:
+        r = self.row(child_id, strict=False)
+        if r < 0 or self.a.parent[r] != self.root:
             raise ValueError(f"node {child_id} is not a child of the root {self.root}")
-        return self._reroot(child_id)
+        return self._reroot(child_id, r)
 
     def reroot(self, child_id: int) -> Pruned:
         """Warm restart after a miss: the target's token is a child the draft proposed but that was not
@@ -381,8 +387,8 @@ class TokenTree:
             raise ValueError(f"node {child_id} is not an uninjected child of the root {self.root}")
         return self._reroot(child_id)
 
-    def _reroot(self, child_id: int) -> Pruned:
-        keep = self._subtree(self.row(child_id))
+    def _reroot(self, child_id: int, r: int | None = None) -> Pruned:
+        keep = self._subtree(self.row(child_id) if r is None else r)
         dropped = ~keep
         dropped[0] = False                        # the old root leaves the tree committed, not pruned
         pruned = self._pruned(dropped)

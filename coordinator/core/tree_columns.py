@@ -49,10 +49,11 @@ class NodeArrays:
     def __init__(self, capacity: int = 256) -> None:
         self._buf = {c: np.empty(capacity, t) for c, t in self.COLUMNS.items()}
         self.n = 0
-        # id -> row: _where[id - base] for ids from base (the first live id) to the last; -1 where not live.
-        # Ids live in a span the request's counter handed out since its root was made, so it stays small.
+        # id -> row: _where[1 + id - base] for ids from base (the first live id) to the last; -1 where not
+        # live, and -1 at both ends (index 0 and the last), so a clipped lookup of any id is one `take`. Ids
+        # live in a span the request's counter handed out since its root was made, so it stays small.
         self.base = 0
-        self._where = np.full(capacity, -1, np.int64)
+        self._where = np.full(capacity + 2, -1, np.int64)
         self._views()
 
     def _views(self) -> None:
@@ -61,15 +62,12 @@ class NodeArrays:
 
     def where(self, ids: np.ndarray) -> np.ndarray:
         """[len(ids)] the row of each id, -1 for an id that is not live."""
-        i = np.asarray(ids, np.int64) - self.base
-        span = self.n and int(self.id[-1]) - self.base + 1
-        inside = (i >= 0) & (i < span)
-        return np.where(inside, self._where[np.where(inside, i, 0)], -1)
+        return np.take(self._where, np.asarray(ids, np.int64) - (self.base - 1), mode="clip")
 
     def where_one(self, node_id: int) -> int:
         """The row of one id, -1 when it is not live."""
-        i = node_id - self.base
-        return int(self._where[i]) if self.n and 0 <= i <= self.id[-1] - self.base else -1
+        i = node_id - self.base + 1
+        return int(self._where[i]) if 0 < i < len(self._where) else -1
 
     def append(self, ids: np.ndarray, parents: np.ndarray, tokens: np.ndarray, depths: np.ndarray,
                scores: np.ndarray) -> None:
@@ -82,11 +80,11 @@ class NodeArrays:
             self.base = int(ids[0])
             self._where[:] = -1
         span = int(ids[-1]) - self.base + 1
-        if span > len(self._where):
-            grown = np.full(max(2 * len(self._where), span), -1, np.int64)
+        if span + 2 > len(self._where):             # (room for the sentinel at the end)
+            grown = np.full(max(2 * len(self._where), span + 2), -1, np.int64)
             grown[:len(self._where)] = self._where
             self._where = grown
-        self._where[np.asarray(ids) - self.base] = np.arange(n, n + m)
+        self._where[np.asarray(ids) - (self.base - 1)] = np.arange(n, n + m)
         if n + m > len(self._buf["id"]):
             grow = max(2 * len(self._buf["id"]), n + m)
             for c, b in self._buf.items():
@@ -102,15 +100,15 @@ class NodeArrays:
     def keep(self, rows: np.ndarray) -> None:
         """Keep only these rows (ascending), in place."""
         k = len(rows)
-        old = self._where[:int(self.id[-1]) - self.base + 1] if self.n else self._where[:0]
-        old[:] = -1
+        if self.n:
+            self._where[1:int(self.id[-1]) - self.base + 2] = -1
         for b in self._buf.values():
             b[:k] = b[rows]
         self.n = k
         self._views()
         if k:
             self.base = int(self.id[0])
-            self._where[self.id - self.base] = np.arange(k)
+            self._where[self.id - (self.base - 1)] = np.arange(k)
 
     def clear(self) -> None:
         self.keep(np.zeros(0, np.int64))
@@ -119,12 +117,12 @@ class NodeArrays:
         """One root node (parent -1, score 0, nothing known of it) in place of every row: a restart's bonus,
         written in place (what `clear` then `append` do, without their whole-column work)."""
         if self.n:
-            self._where[:int(self.id[-1]) - self.base + 1] = -1
+            self._where[1:int(self.id[-1]) - self.base + 2] = -1
         for c, value in (("id", node_id), ("parent", -1), ("token", token), ("depth", depth), ("score", 0.0),
                          ("injected", False), ("expanded", False), ("asked", False), ("target_next", NO_TOKEN),
                          ("best_child", NO_TOKEN)):
             self._buf[c][0] = value
-        self.base, self._where[0], self.n = node_id, 0, 1
+        self.base, self._where[1], self.n = node_id, 0, 1
         self._views()
 
 

@@ -102,8 +102,8 @@ class SpecPipeScheduler(BatchingScheduler):
         request_id = state.request.request_id
         if request_id in self.plain:               # one micro-batch at a time, as `pp`
             return state.in_flight == 0
-        root = self.trees[request_id].root_node
-        cold = self.policy != "layer" and not root.injected and not root.expanded   # a bonus waits for its children
+        a = self.trees[request_id].a              # (row 0: the root)
+        cold = self.policy != "layer" and not a.injected[0] and not a.expanded[0]   # a bonus waits for its children
         return self.pending.get(request_id, 0) < self.rounds and not cold and state.in_flight < self.num_stages
 
     def _share_beside_prompts(self) -> int:
@@ -126,22 +126,22 @@ class SpecPipeScheduler(BatchingScheduler):
     @staticmethod
     def _max_depth(state: RequestState, tree: TokenTree) -> int:
         """The deepest position a node of this request can still be committed at."""
-        return tree.root_node.depth + state.request.max_new_tokens - len(state.generated)
+        return int(tree.a.depth[0]) + state.request.max_new_tokens - len(state.generated)
 
     def _next_rows(self, state: RequestState, share: int) -> Segment | None:
         """The tree's next growth, at most min(width, share) nodes (`layer`: a bonus alone); the draft then
         runs ahead in its jobs."""
         request_id = state.request.request_id
         tree = self.trees[request_id]
-        root = tree.root_node
+        injected = tree.a.injected                 # (row 0: the root)
         if request_id in self.plain:               # the root alone (the last committed token), once
-            if root.injected:
+            if injected[0]:
                 return None
-            root.injected = True
+            injected[0] = True
             parents, positions, tokens = tree.segment_rows([tree.root], state.root_parent)
             return Segment(request_id, [tree.root], parents, positions, tokens, [True])
-        if self.policy == "layer" and not root.injected:
-            root.injected = True
+        if self.policy == "layer" and not injected[0]:
+            injected[0] = True
             chosen = [tree.root]
         else:
             chosen = tree.select(self.policy, min(self.width, share), self._max_depth(state, tree),
@@ -265,7 +265,7 @@ class SpecPipeScheduler(BatchingScheduler):
         """Commit as far as the known target tokens allow. Returns False when the request finished."""
         request_id = state.request.request_id
         rejection = self._rejection(state)
-        while (target := tree.root_node.target_next) is not None:
+        while (target := tree.root_target()) is not None:
             # by rejection where the root's distribution came back; a root injected while the request was plain
             # (no distributions asked) is verified by the target's own draw, as `match` does: lossless too
             if rejection and tree.target_p.get(tree.root) is not None:
@@ -302,7 +302,7 @@ class SpecPipeScheduler(BatchingScheduler):
                         self.unseen.setdefault(request_id, []).append(DraftNode(root.id, state.root_parent, root.depth,
                                                                          root.token))
                     node, pruned = tree.restart(token)
-                if self.policy != "layer" and not tree.root_node.expanded and not plain:
+                if self.policy != "layer" and not tree.a.expanded[0] and not plain:
                     self.pending[request_id] = self.rounds           # the draft expands the new root before it goes in
             if not plain or request_id in self.begun:    # (a request the draft never held: told when it rejoins)
                 if pruned.expanded:
