@@ -27,7 +27,7 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
 
 def render() -> str:
     os.environ["COLUMNS"] = WIDTH
-    from coordinator.cli.main import build_parser, _generate_parser
+    from coordinator.cli.parsers import build_parser, _generate_parser
     from coordinator.frontends.server import build_parser as coordinator_parser
     from services.server import build_parser as stage_parser
 
