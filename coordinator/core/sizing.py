@@ -1,7 +1,8 @@
 """Speculation that sizes itself: the cost rule that picks specpipe's width, topk and draft rounds — or no
 speculation at all (plain pipelining) where speculation cannot pay.
 
-The rule learns online from what the scheduler already sees (it has no clock: times come with the events):
+The rule learns online from what the scheduler already sees (it has no clock: times come with the events),
+with the estimators of coordinator/core/sizing_estimators.py (`Line`, `Ewma`, `Pace`, `Costs`):
 
     c(rows)  a stage's step time against the rows of a micro-batch (each result's stage traces: compute plus
              emulated time), a line fitted over row-count buckets so that a prompt chunk seen once still counts
@@ -66,6 +67,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# the estimators it measures with; Line and Pace are imported from here too (tests/core/test_sizing.py)
+from coordinator.core.sizing_estimators import Costs, Ewma, Line, Pace
+
 AUTO_WIDTHS = (1, 2, 4, 8, 16, 32)     # the widths the rule tries (up to Sizing.max_width)
 AUTO_MAX = (32, 16, 2)                 # width, topk, draft rounds when not given: the largest the rule picks
 MARGIN = 0.10                          # a change must promise this much more throughput (measured)
@@ -126,93 +130,6 @@ class Sizing:
     @property
     def largest(self) -> Choice:
         return Choice(self.max_width, self.max_topk, self.max_rounds)
-
-
-class Ewma:
-    """An exponentially weighted mean; None until the first sample."""
-
-    def __init__(self, alpha: float) -> None:
-        self.alpha, self.value, self.n = alpha, None, 0
-
-    def add(self, x: float) -> None:
-        self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
-        self.n += 1
-
-
-class Line:
-    """y ~ a + b * x, least squares over buckets of x (powers of two), each bucket an exponentially weighted
-    mean: a prefill chunk of 200 rows seen once keeps its say beside a thousand 32-row steps. With a single
-    bucket the line is flat (the cautious guess: narrowing buys nothing until rows are seen to cost).
-
-        line = Line(); line.add(1, 5.0); line.add(32, 5.8)  ->  line(16) = 5.39 (a = 4.97, b = 0.026)
-    """
-
-    def __init__(self, alpha: float = 0.1) -> None:
-        self.alpha = alpha
-        self.buckets: dict[int, tuple[float, float]] = {}      # bucket -> (mean x, mean y)
-        self._fit: tuple[float, float] | None = None            # (a, b), until the next sample
-
-    def add(self, x: float, y: float) -> None:
-        key = int(math.log2(max(x, 1.0)))
-        old = self.buckets.get(key)
-        self.buckets[key] = (x, y) if old is None else \
-            (old[0] + self.alpha * (x - old[0]), old[1] + self.alpha * (y - old[1]))
-        self._fit = None
-
-    @property
-    def known(self) -> bool:
-        return bool(self.buckets)
-
-    def coefficients(self) -> tuple[float, float]:
-        if self._fit is None:
-            self._fit = self._solve()
-        return self._fit
-
-    def _solve(self) -> tuple[float, float]:
-        xs = np.array([v[0] for v in self.buckets.values()])
-        ys = np.array([v[1] for v in self.buckets.values()])
-        if len(xs) < 2:                   # one bucket: flat (fewer rows are not cheaper without evidence)
-            return (float(ys[0]), 0.0) if len(xs) else (0.0, 0.0)
-        mx, my = xs.mean(), ys.mean()
-        b = float(((xs - mx) * (ys - my)).sum() / ((xs - mx) ** 2).sum())
-        if b < 0:                         # noise: the cost does not fall with rows
-            return float(my), 0.0
-        a = float(my - b * mx)
-        if a < 0:                         # nothing is cheaper than free: through the origin instead
-            return 0.0, float((xs * ys).sum() / (xs * xs).sum())
-        return a, b
-
-    def __call__(self, x: float) -> float:
-        a, b = self.coefficients()
-        return a + b * x
-
-
-class Pace:
-    """Committed tokens per ms as measured: fading sums of tokens and of the time between results."""
-
-    def __init__(self, decay: float) -> None:
-        self.decay, self.tokens, self.ms, self.n = decay, 0.0, 0.0, 0
-
-    def add(self, tokens: int, ms: float) -> None:
-        self.tokens = self.decay * self.tokens + tokens
-        self.ms = self.decay * self.ms + ms
-        self.n += 1
-
-    @property
-    def rate(self) -> float:
-        return self.tokens / self.ms if self.ms > 0 else 0.0
-
-
-class Costs:
-    """What a pipeline step costs in one mode (speculating or not: on a machine whose stages share cores the
-    stages run slower beside the draft than alone)."""
-
-    def __init__(self) -> None:
-        self.stage, self.hop, self.ctl = Line(), Ewma(0.1), Ewma(0.1)
-
-    @property
-    def known(self) -> bool:
-        return self.stage.known and self.hop.n >= 4
 
 
 class Sizer:

@@ -19,7 +19,7 @@ class Method(str, enum.Enum):
 
 
 class TreePolicy(str, enum.Enum):
-    """How `specpipe` picks a micro-batch's nodes (coordinator/core/tree.py `TokenTree.select`)."""
+    """How `specpipe` picks a micro-batch's nodes (coordinator/core/tree_select.py `TokenTree.select`)."""
     LAYER = "layer"
     BEST_FIRST = "best-first"
     HYBRID = "hybrid"

@@ -3,12 +3,12 @@ that ideally one token commits per pipeline step instead of one per S steps.
 
 Per request, while fewer than S of its micro-batches are in flight: grow the tree (coordinator/core/tree.py)
 and inject the chosen nodes as one micro-batch; then the draft **runs ahead** (`rounds` draft jobs, beside the
-coordinator: `draft_job`, coordinator/core/drafts/job.py; each one batched call expanding the best
-not-yet-expanded nodes, injected or not), so the next micro-batch can take a node with
-its already-proposed descendants. `layer` is the paper's rule: one layer per step, the draft expands only what
-was injected. On a result, verify at the root: **hit** (`TokenTree.commit`), or **miss** with a warm restart
-(`reroot`) or a fresh **bonus** (`restart`), which the draft expands before it goes in. Commits and prunes are
-broadcast to every stage.
+coordinator: `draft_job` in coordinator/core/schedulers/specpipe_draft.py, over coordinator/core/drafts/job.py;
+each one batched call expanding the best not-yet-expanded nodes, injected or not), so the next micro-batch
+can take a node with its already-proposed descendants. `layer` is the paper's rule: one layer per step, the
+draft expands only what was injected. On a result, verify at the root: **hit** (`TokenTree.commit`), or
+**miss** with a warm restart (`reroot`) or a fresh **bonus** (`restart`), which the draft expands before it
+goes in. Commits and prunes are broadcast to every stage.
 
 Worked example (S = 4, best-first, width 4, rounds 2): the root r was injected with children a, b. The
 draft expanded a, b (round 1) and a's best child a1 (round 2). The next micro-batch is best-first over
@@ -24,16 +24,14 @@ sampling, see coordinator/core/verify.py.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from common.batch import MicroBatch, Segment
 from common.sampling import uniform
 
 from coordinator.core.drafts.base import DraftNode, DraftSource
-from coordinator.core.drafts.job import DraftJob, DraftOp, DraftResults, OpKind
+from coordinator.core.drafts.job import DraftOp, OpKind
 from coordinator.core.schedulers.base import RequestState
 from coordinator.core.schedulers.batching import BatchingScheduler
-from coordinator.core.proposals import ProposalRows
+from coordinator.core.schedulers.specpipe_draft import DraftBeside
 from coordinator.core.sizing import Sizer
 from coordinator.core.stats import SpecCounters
 from coordinator.core.tree import TokenTree
@@ -41,7 +39,7 @@ from coordinator.core.vocabulary import TREE_POLICIES, VERIFIERS
 from coordinator.core.verify import verify_children
 
 
-class SpecPipeScheduler(BatchingScheduler):
+class SpecPipeScheduler(DraftBeside, BatchingScheduler):
     name = "specpipe"
     overtakes = True             # a full pipeline is speculation: a new prompt's first chunk need not wait
     holds_finished_slot = True   # and the slot a finished request frees may wait a step for the next prompt
@@ -326,115 +324,3 @@ class SpecPipeScheduler(BatchingScheduler):
         u = uniform(state.request.sampling.seed, root.depth + 1, len(children) + 1, salt=2)
         j, token = verify_children(root.target_p, root.q, [tree.nodes[c].token for c in children], u)
         return (children[j] if j is not None else None), token
-
-    # -- the draft, beside the coordinator (coordinator/core/drafts/job.py) ---------------------------
-    @property
-    def has_work(self) -> bool:
-        return bool(self.pending or self.draft_ops)
-
-    def work(self) -> None:
-        """One round of draft work in line (the in-process drivers; the engine and the simulated clock run
-        `draft_job` beside the coordinator instead)."""
-        job = self.draft_job()
-        if job is not None:
-            self.draft_done(job, job.run(self.draft))
-
-    def draft_job(self) -> DraftJob | None:
-        """The next round of draft work, or None when nothing is due: the queued bookkeeping; the prompts of
-        new requests to prefill; and for every request with rounds due, its best nodes not yet expanded
-        (`TokenTree.to_expand`, as many as its width; `layer`: the injected ones), now marked asked so no
-        later job takes them again and a prune names them."""
-        job = DraftJob(ops=self.draft_ops, topk=self.topk)
-        self.draft_ops = []
-        width = min(self.width, self._share())
-        lead = self.num_stages if self.policy == "hybrid" else 0
-        for request_id in list(self.pending):
-            state = self.requests.get(request_id)
-            if state is None:
-                del self.pending[request_id]
-                continue
-            self.pending[request_id] -= 1
-            if self.pending[request_id] <= 0:
-                del self.pending[request_id]
-            if request_id not in self.begun:             # the draft holds the request from this job on
-                self.begun.add(request_id)
-                job.begin.append((request_id, state.request.prompt_ids, state.request.sampling, self._rejection(state)))
-            tree = self.trees[request_id]
-            limit = self._max_depth(state, tree)
-            if self.policy == "layer":
-                nodes = tree.to_expand(len(tree.nodes), limit, state.request.eos_ids, injected_only=True)
-            else:
-                nodes = tree.to_expand(width, limit, state.request.eos_ids, spine_lead=lead)
-            self._ask(job, request_id, nodes.tolist())
-        if job.ops or job.begin or job.expand:
-            return job
-        self._dispatch()                  # nothing to compute: the rounds counted down may free a request
-        return None
-
-    def _ask(self, job: DraftJob, request_id: str, nodes: list[int]) -> None:
-        """Add the expansion of these tree nodes to the job (behind the committed nodes the draft has not
-        computed yet, `unseen`)."""
-        if not nodes:
-            return
-        state, tree = self.requests[request_id], self.trees[request_id]
-        tree.mark_asked(nodes)
-        parents, positions, tokens = tree.segment_rows(nodes, state.root_parent)
-        fresh = list(map(DraftNode, nodes, parents, positions, tokens))
-        job.expand.append((request_id, self.unseen.pop(request_id, []) + fresh))
-        job.tree_nodes[request_id] = nodes
-        if self._rejection(state):
-            job.keep_q.add(request_id)
-
-    def draft_done(self, job: DraftJob, results: DraftResults) -> None:
-        """A job's results: failures end their requests; proposals become children (of the nodes still in
-        their tree: a result may have pruned some meanwhile); then the next micro-batch may go in."""
-        self._apply(job, results)
-        self._dispatch()
-
-    def _apply(self, job: DraftJob, results: DraftResults) -> None:
-        if self.sizer is not None and job.expand and not job.begin and not results.errors:
-            self.sizer.observe_draft(sum(len(nodes) for _, nodes in job.expand), results.compute_ms)
-        weights: dict[str, int] = {}          # request -> rows the draft computed for it
-        for request_id, prompt, *_ in job.begin:
-            a, b = job.rows.get(request_id, (0, len(prompt)))
-            weights[request_id] = b - a
-        for request_id, nodes in job.expand:
-            weights[request_id] = weights.get(request_id, 0) + len(nodes)
-        total = sum(weights.values())
-        for request_id, w in weights.items():            # the draft's time, charged in proportion to its rows
-            if request_id in self.requests and total:
-                self.requests[request_id].spec.draft_ms += results.compute_ms * w / total
-        for request_id, error in results.errors.items():
-            if request_id in self.requests:              # a failing draft fails its request, not the scheduler
-                self._draft_failed(self.requests[request_id], error)
-        for request_id, nodes in job.tree_nodes.items():
-            if request_id not in self.requests or request_id not in results.proposals:
-                continue
-            tree, rows = self.trees[request_id], results.proposals[request_id]
-            first = len(rows) - len(nodes)        # the rows before are committed nodes (`unseen`)
-            alive = tree.live(nodes)
-            if first or not alive.all():
-                live = np.flatnonzero(alive)
-                keep = [nodes[i] for i in live.tolist()]
-                rows = rows.select(live + first) if isinstance(rows, ProposalRows) else \
-                    [rows[i + first] for i in live]
-            else:
-                keep = nodes
-            tree.add_children_many(keep, rows)
-            for node_id in keep if request_id in results.q else ():
-                tree.q[node_id] = results.q[request_id].get(node_id)
-
-    def _draft_now(self, job: DraftJob) -> None:
-        """Run a job in line, the queued bookkeeping first, and apply it (the trip baselines)."""
-        job.ops, self.draft_ops = self.draft_ops + job.ops, []
-        self._apply(job, job.run(self.draft))
-
-    def _expand(self, request_id: str, nodes: list[int]) -> None:
-        """Expand these nodes of one request now (the trip baselines)."""
-        job = DraftJob(topk=self.topk)
-        self._ask(job, request_id, nodes)
-        if job.expand:
-            self._draft_now(job)
-
-    def _draft_failed(self, state: RequestState, error: Exception) -> None:
-        self._finish(state, "error", error=f"draft failed: {error!r}", error_code=13)

@@ -1,0 +1,167 @@
+"""`specpipe`'s draft, beside the coordinator (coordinator/core/schedulers/specpipe.py `SpecPipeScheduler`
+takes these methods from `DraftBeside`): the rounds of draft work it hands out as jobs
+(coordinator/core/drafts/job.py), and the proposals that come back becoming tree children.
+
+Contract. The scheduler never calls the draft while it handles an event:
+- `draft_job()` makes the next round, or None when nothing is due (then it dispatches: rounds counted down
+  may free a request). The job carries, in order: the queued bookkeeping (`draft_ops`: commits, prunes,
+  releases), the prompts of requests the draft has not held yet (`begun`), and for every request with rounds
+  due (`pending`, counted down here, as jobs are *made*) its best nodes not yet expanded
+  (`TokenTree.to_expand`, as many as its width; `layer`: the injected ones), behind the committed nodes the
+  draft never computed (`unseen`). Those nodes are marked asked, so no later job takes them again and a prune
+  names them.
+- `draft_done(job, results)` applies a job's results, in the order jobs were made: the draft's time is charged
+  to the requests in proportion to the rows it computed for each, a failure ends its request (not the
+  scheduler), proposals become children of the nodes still in their tree (a result may have pruned some
+  meanwhile: their rows are dropped), and the cost rule sees the round's time; then it dispatches.
+- `work()` runs one round in line (the in-process drivers); `_draft_now` / `_expand` run a job in line
+  for the trip baselines (coordinator/core/schedulers/trip.py).
+
+Worked example (one request, rounds 2): an injection sets `pending` = 2. `draft_job()` -> job 1, expanding
+the tree's best unexpanded nodes, say [5, 7], now asked; `pending` = 1, so the request is ready again (a
+round has started). Before job 1 comes back a result commits 5 and prunes 7: both go to `draft_ops`, behind
+job 1. `draft_done(job 1, results)` adds 5's proposed children and drops 7's row; the next `draft_job()`
+carries the commit and the prune first, then the request's second round.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from coordinator.core.drafts.base import DraftNode
+from coordinator.core.drafts.job import DraftJob, DraftOp, DraftResults
+from coordinator.core.proposals import ProposalRows
+from coordinator.core.schedulers.base import RequestState
+
+if TYPE_CHECKING:
+    from coordinator.core.drafts.base import DraftSource
+    from coordinator.core.sizing import Sizer
+    from coordinator.core.tree import TokenTree
+
+
+class DraftBeside:
+    """The draft part of `SpecPipeScheduler` (module docstring). What it uses of the scheduler: the state
+    below (set in `SpecPipeScheduler.__init__`), `requests`, `num_stages`, and `_dispatch`, `_finish`,
+    `_share`, `_rejection`, `_max_depth`."""
+    draft: DraftSource
+    trees: dict[str, TokenTree]
+    pending: dict[str, int]
+    begun: set[str]
+    unseen: dict[str, list[DraftNode]]
+    draft_ops: list[DraftOp]
+    sizer: Sizer | None
+    width: int
+    topk: int
+    policy: str
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.pending or self.draft_ops)
+
+    def work(self) -> None:
+        """One round of draft work in line (the in-process drivers; the engine and the simulated clock run
+        `draft_job` beside the coordinator instead)."""
+        job = self.draft_job()
+        if job is not None:
+            self.draft_done(job, job.run(self.draft))
+
+    def draft_job(self) -> DraftJob | None:
+        """The next round of draft work, or None when nothing is due: the queued bookkeeping; the prompts of
+        new requests to prefill; and for every request with rounds due, its best nodes not yet expanded
+        (`TokenTree.to_expand`, as many as its width; `layer`: the injected ones), now marked asked so no
+        later job takes them again and a prune names them."""
+        job = DraftJob(ops=self.draft_ops, topk=self.topk)
+        self.draft_ops = []
+        width = min(self.width, self._share())
+        lead = self.num_stages if self.policy == "hybrid" else 0
+        for request_id in list(self.pending):
+            state = self.requests.get(request_id)
+            if state is None:
+                del self.pending[request_id]
+                continue
+            self.pending[request_id] -= 1
+            if self.pending[request_id] <= 0:
+                del self.pending[request_id]
+            if request_id not in self.begun:             # the draft holds the request from this job on
+                self.begun.add(request_id)
+                job.begin.append((request_id, state.request.prompt_ids, state.request.sampling, self._rejection(state)))
+            tree = self.trees[request_id]
+            limit = self._max_depth(state, tree)
+            if self.policy == "layer":
+                nodes = tree.to_expand(len(tree.nodes), limit, state.request.eos_ids, injected_only=True)
+            else:
+                nodes = tree.to_expand(width, limit, state.request.eos_ids, spine_lead=lead)
+            self._ask(job, request_id, nodes.tolist())
+        if job.ops or job.begin or job.expand:
+            return job
+        self._dispatch()                  # nothing to compute: the rounds counted down may free a request
+        return None
+
+    def _ask(self, job: DraftJob, request_id: str, nodes: list[int]) -> None:
+        """Add the expansion of these tree nodes to the job (behind the committed nodes the draft has not
+        computed yet, `unseen`)."""
+        if not nodes:
+            return
+        state, tree = self.requests[request_id], self.trees[request_id]
+        tree.mark_asked(nodes)
+        parents, positions, tokens = tree.segment_rows(nodes, state.root_parent)
+        fresh = list(map(DraftNode, nodes, parents, positions, tokens))
+        job.expand.append((request_id, self.unseen.pop(request_id, []) + fresh))
+        job.tree_nodes[request_id] = nodes
+        if self._rejection(state):
+            job.keep_q.add(request_id)
+
+    def draft_done(self, job: DraftJob, results: DraftResults) -> None:
+        """A job's results: failures end their requests; proposals become children (of the nodes still in
+        their tree: a result may have pruned some meanwhile); then the next micro-batch may go in."""
+        self._apply(job, results)
+        self._dispatch()
+
+    def _apply(self, job: DraftJob, results: DraftResults) -> None:
+        if self.sizer is not None and job.expand and not job.begin and not results.errors:
+            self.sizer.observe_draft(sum(len(nodes) for _, nodes in job.expand), results.compute_ms)
+        weights: dict[str, int] = {}          # request -> rows the draft computed for it
+        for request_id, prompt, *_ in job.begin:
+            a, b = job.rows.get(request_id, (0, len(prompt)))
+            weights[request_id] = b - a
+        for request_id, nodes in job.expand:
+            weights[request_id] = weights.get(request_id, 0) + len(nodes)
+        total = sum(weights.values())
+        for request_id, w in weights.items():            # the draft's time, charged in proportion to its rows
+            if request_id in self.requests and total:
+                self.requests[request_id].spec.draft_ms += results.compute_ms * w / total
+        for request_id, error in results.errors.items():
+            if request_id in self.requests:              # a failing draft fails its request, not the scheduler
+                self._draft_failed(self.requests[request_id], error)
+        for request_id, nodes in job.tree_nodes.items():
+            if request_id not in self.requests or request_id not in results.proposals:
+                continue
+            tree, rows = self.trees[request_id], results.proposals[request_id]
+            first = len(rows) - len(nodes)        # the rows before are committed nodes (`unseen`)
+            alive = tree.live(nodes)
+            if first or not alive.all():
+                live = np.flatnonzero(alive)
+                keep = [nodes[i] for i in live.tolist()]
+                rows = rows.select(live + first) if isinstance(rows, ProposalRows) else \
+                    [rows[i + first] for i in live]
+            else:
+                keep = nodes
+            tree.add_children_many(keep, rows)
+            for node_id in keep if request_id in results.q else ():
+                tree.q[node_id] = results.q[request_id].get(node_id)
+
+    def _draft_now(self, job: DraftJob) -> None:
+        """Run a job in line, the queued bookkeeping first, and apply it (the trip baselines)."""
+        job.ops, self.draft_ops = self.draft_ops + job.ops, []
+        self._apply(job, job.run(self.draft))
+
+    def _expand(self, request_id: str, nodes: list[int]) -> None:
+        """Expand these nodes of one request now (the trip baselines)."""
+        job = DraftJob(topk=self.topk)
+        self._ask(job, request_id, nodes)
+        if job.expand:
+            self._draft_now(job)
+
+    def _draft_failed(self, state: RequestState, error: Exception) -> None:
+        self._finish(state, "error", error=f"draft failed: {error!r}", error_code=13)
