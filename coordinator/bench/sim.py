@@ -4,7 +4,9 @@
 One in-process runner holds every layer and computes at stage 0; the other stages only take the modelled
 time `a + b * rows`. The draft's work is charged to the coordinator by the draft-time model
 (`--draft-time-ms`, services/config.py parse_draft_time): by default each draft model call costs
-0.3 x the stage-time model (0.3a ms + 0.3b ms per row), or its measured CPU time with `measured`.
+0.3 x the stage-time model (0.3a ms + 0.3b ms per row), or its measured CPU time with `measured`. The
+modelled stage time does not depend on the draft's work, and specpipe's cost rule is told so
+(`make_scheduler(..., shared=False)`: it tries none only where its own model favours none).
 """
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ def run_simulated(cfg: BenchConfig, log=print) -> dict:
         for pi, prompt in enumerate(token_ids):
             for v in cfg.variants:
                 spec = replace(SpecOptions(draft), **v.overrides())
-                sched = make_scheduler(v.method, num_stages, spec, sizers.get(v))
+                sched = make_scheduler(v.method, num_stages, spec, sizers.get(v), shared=False)
                 sizers[v] = getattr(sched, "sizer", None)
                 twin = _twin(sched, draft, cfg.control_scale)
                 pipe = SimulatedPipeline([runner], stage_time, num_stages=num_stages, hop_ms=cfg.hop_ms,
@@ -128,7 +130,7 @@ def _levels(cfg: BenchConfig, num_stages: int, runner: StageRunner, draft, token
         n = len(token_ids) * cfg.rounds if rate else level * cfg.rounds
         for v in cfg.variants:
             spec = replace(SpecOptions(draft), **{"node_budget": cfg.node_budget, **v.overrides()})
-            sched = make_scheduler(v.method, num_stages, spec, sizers.get(v))
+            sched = make_scheduler(v.method, num_stages, spec, sizers.get(v), shared=False)
             sizers[v] = getattr(sched, "sizer", None)
             twin = _twin(sched, draft, cfg.control_scale)
             pipe = SimulatedPipeline([runner], stage_time, num_stages=num_stages, hop_ms=cfg.hop_ms,

@@ -44,7 +44,8 @@ What it chooses (`Sizer.step`, after every result; `choose` every max(8, 4 S) re
    results (1.9 s of `make run`) at width 32 x 2 rounds, 110-630 ms of draft each, before it could try none.
    The GPU regime (2 * d(32) = 3.3 ms against c(32) + hop = 6.3 ms) starts and stays large.
 1. **Start large, try none**: the largest choice first; once the rule knows enough, unless speculation is
-   predicted EXPLORE times as fast as none, none is tried (NONE_PACED results, after the S results of
+   predicted EXPLORE times as fast as none (1 time where the stage times cannot depend on the draft:
+   `Sizer(shared=False)`, the simulated clock), none is tried (NONE_PACED results, after the S results of
    micro-batches sent before the switch), to measure what plain
    pipelining costs here (where stages share cores with the draft, the same stages run much faster alone,
    which the speculating costs hide).
@@ -137,8 +138,13 @@ class Sizer:
     one per scheduler (the engine keeps one per method and settings), so what it learnt serves the next
     request."""
 
-    def __init__(self, num_stages: int, sizing: Sizing, node_budget: int = 32) -> None:
+    def __init__(self, num_stages: int, sizing: Sizing, node_budget: int = 32, shared: bool = True) -> None:
+        """`shared`: the stages' step times may depend on the draft's work (stages and draft share hardware,
+        as on a CPU whose cores run both), so the speculating costs may overstate none's and none is tried
+        unless speculation is predicted EXPLORE times as fast; False where they cannot (the simulated clock's
+        modelled stage time): none is tried only where the model itself favours it."""
         self.S, self.sizing, self.node_budget = num_stages, sizing, node_budget
+        self.explore = EXPLORE if shared else 1.0
         self.costs = {True: Costs(), False: Costs()}     # speculating -> its costs
         self.draft = Line()
         self.tokens, self.k_now = Ewma(0.05), Ewma(0.1)
@@ -283,7 +289,7 @@ class Sizer:
         """The best candidate when it beats the current choice by MARGIN (else the current one). Until none has
         been measured, it is tried (`measured`: for NONE_PACED results) when speculation is not predicted EXPLORE
         times as fast: its modelled costs are the speculating ones, which overstate it where stages share cores
-        with the draft."""
+        with the draft (`shared`; where they cannot, when the model itself does not favour speculation)."""
         if not self.ready or not self.sizing.auto:
             return self.choice
         seen = self.measured(self.choice, requests)
@@ -295,7 +301,7 @@ class Sizer:
         if self.choice.speculates and not self.sizing.pin_width and self.measured(NONE, requests) is None and \
                 not self.tried:
             best = max(self.expected(c, requests) for c in self.candidates() if c.speculates)
-            if best < EXPLORE * self.rate(NONE, requests):
+            if best < self.explore * self.rate(NONE, requests):
                 self.tried = self.trying = True
                 self._switch(NONE)
                 return self.choice

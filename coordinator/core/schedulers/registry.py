@@ -54,10 +54,11 @@ class SpecOptions(Speculation):
 
 
 def make_scheduler(method: str, num_stages: int, spec: SpecOptions | None = None,
-                   sizer: Sizer | None = None) -> Scheduler:
+                   sizer: Sizer | None = None, shared: bool = True) -> Scheduler:
     """The method's scheduler. `sizer`: specpipe's cost rule carried over from an earlier scheduler of the
     same pipeline and settings (what it learnt stays); by default a new one when any of width, topk and draft
-    rounds is left to it."""
+    rounds is left to it, told whether the stages' step times may depend on the draft's work (`shared`:
+    coordinator/core/sizing.py Sizer)."""
     spec = spec or SpecOptions()
     if method == "pp":
         return PPScheduler(num_stages, spec.prefill_chunk)
@@ -68,7 +69,7 @@ def make_scheduler(method: str, num_stages: int, spec: SpecOptions | None = None
             raise ValueError("method 'specpipe' needs a draft source (--draft quant|quant+ngram|ngram|model)")
         sizing = Sizing.of(spec.width, spec.topk, spec.draft_rounds)
         if sizer is None and sizing.auto:
-            sizer = Sizer(num_stages, sizing, spec.node_budget)
+            sizer = Sizer(num_stages, sizing, spec.node_budget, shared)
         return SpecPipeScheduler(num_stages, spec.draft, sizing.max_width, spec.tree_policy, sizing.max_topk,
                                  spec.node_budget, spec.verify, sizing.max_rounds, spec.prefill_chunk, sizer)
     if method in ("sps", "tree", "pipeinfer"):
