@@ -44,8 +44,8 @@ What it chooses (`Sizer.step`, after every result; `choose` every max(8, 4 S) re
    results (1.9 s of `make run`) at width 32 x 2 rounds, 110-630 ms of draft each, before it could try none.
    The GPU regime (2 * d(32) = 3.3 ms against c(32) + hop = 6.3 ms) starts and stays large.
 1. **Start large, try none**: the largest choice first; once the rule knows enough, unless speculation is
-   predicted EXPLORE times as fast as none (1 time where the stage times cannot depend on the draft:
-   `Sizer(shared=False)`, the simulated clock), none is tried (NONE_PACED results, after the S results of
+   predicted EXPLORE times as fast as none (merely as fast where the stage times cannot depend on the
+   draft: `Sizer(shared=False)`, the simulated clock), none is tried (NONE_PACED results, after the S results of
    micro-batches sent before the switch), to measure what plain
    pipelining costs here (where stages share cores with the draft, the same stages run much faster alone,
    which the speculating costs hide).

@@ -3,11 +3,13 @@
 Expected values are worked out by hand from the module's docstring contract."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.core.tree import TokenTree
+from coordinator.core.tree_columns import NodeArrays
 from coordinator.core.vocabulary import TREE_POLICIES
 from helpers.ids import id_counter
 
@@ -387,3 +389,38 @@ def test_reroot_keeps_the_expanded_subtree_of_a_proposed_child() -> None:
     assert t.root == b and t.root_node.committed and not t.root_node.injected and t.root_node.depth == 4
     assert set(t.nodes) == {b, b1, b2}
     assert pruned.injected == [a] and pruned.expanded == [a] and a1 not in list(pruned)
+
+
+def test_the_id_lookup_answers_every_id_through_appends_keeps_growth_and_reset():
+    """NodeArrays.where / where_one against a dict of the live ids, for ids below the first live one, inside
+    the span (live and removed), past the last, and far outside: -1 wherever an id is not live, through a
+    keep, a growth of the table past its capacity, and a reset."""
+    a = NodeArrays(capacity=4)
+    live: dict[int, int] = {}
+
+    def check() -> None:
+        probe = np.arange(-3, 60)
+        want = np.array([live.get(int(i), -1) for i in probe])
+        assert a.where(probe).tolist() == want.tolist()
+        assert [a.where_one(int(i)) for i in probe] == want.tolist()
+        assert a.where(np.array([-10**12, 10**12])).tolist() == [-1, -1]
+
+    def append(ids: list[int]) -> None:
+        n = a.n
+        z = np.zeros(len(ids))
+        a.append(np.array(ids), z.astype(np.int64), z.astype(np.int64), z.astype(np.int64), z)
+        live.update({i: n + k for k, i in enumerate(ids)})
+
+    check()                                   # empty: nothing is live
+    append([10, 11, 12])
+    check()
+    append([15, 16])                          # a gap (13, 14 never made)
+    check()
+    a.keep(np.array([1, 3]))                  # 11 and 15 stay, as rows 0 and 1
+    live = {11: 0, 15: 1}
+    check()
+    append(list(range(20, 50)))               # grows the table past its capacity
+    check()
+    a.reset(55, token=1, depth=3)
+    live = {55: 0}
+    check()
