@@ -10,6 +10,7 @@ instead of ~6.5 s (2-core dev machine).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -39,9 +40,17 @@ STAGE_PRELOAD = ("services.server", "transformers.models.auto.configuration_auto
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """n distinct ports free now: all n sockets are held bound until every port is picked (one at a time, the
+    system may hand out a port it just handed out and saw closed: two stages on one port)."""
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)]
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 @dataclass
@@ -73,7 +82,7 @@ class LocalStages:
             raise ValueError("--stages must be at least 1")
         self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix="specpipe-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        ports = [free_port(self.host) for _ in range(self.num_stages)]
+        ports = free_ports(self.num_stages, self.host)
         self.addresses = [f"{self.host}:{p}" for p in ports]
         self._env = dict(os.environ, SPECPIPE_LOG_FORMAT=os.environ.get("SPECPIPE_LOG_FORMAT", "json"))
         self._args = [["--model", self.model, "--stage", str(i),

@@ -18,7 +18,7 @@ import torch
 from prometheus_client import start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.engine.local import free_port
+from coordinator.engine.local import free_port, free_ports
 from coordinator.config import CoordinatorConfig
 from coordinator.core.stats import RequestStats, SpecCounters
 from coordinator.core.validate import InvalidRequest
@@ -299,7 +299,7 @@ def test_stage_metrics_port_flag_and_environment(monkeypatch):
 
 @pytest.mark.grpc
 def test_stage_process_serves_metrics(tiny_model, tmp_path: Path):
-    port, metrics = free_port(), free_port()
+    port, metrics = free_ports(2)
     port_file = tmp_path / "port"
     proc = subprocess.Popen([sys.executable, "-m", "services.server", "--model", str(tiny_model), "--stage", "0",
                              "--num-stages", "1", "--port", str(port), "--port-file", str(port_file),

@@ -15,7 +15,7 @@ import grpc
 import torch
 from hypothesis import strategies as st
 
-from coordinator.engine.local import free_port
+from coordinator.engine.local import free_ports
 from coordinator.config import CoordinatorConfig
 from coordinator.frontends.server import start as start_coordinator
 from protos import common_pb2, generation_pb2_grpc, stage_pb2, stage_pb2_grpc
@@ -56,7 +56,7 @@ class Loop:
 
 
 async def start_stages(model: str, n: int) -> tuple[list[str], list[Server], list[StageServicer]]:
-    ports = [free_port() for _ in range(n)]
+    ports = free_ports(n)
     addrs = [f"127.0.0.1:{p}" for p in ports]
     servers, servicers = [], []
     for i, port in enumerate(ports):

@@ -16,7 +16,7 @@ from common.grpc_server import Server
 from services.server import SERVICE_NAME, build_runner
 from services.servicer import StageServicer
 
-from coordinator.engine.local import LocalStages, free_port
+from coordinator.engine.local import LocalStages, free_ports
 from coordinator.config import CoordinatorConfig
 from coordinator.frontends.server import ApiServer, start
 from coordinator.frontends.service import Coordinator
@@ -29,7 +29,7 @@ async def stage_servers(model: str, num_stages: int, stage_time_ms: str = "0", k
     fields of every stage (tls_cert=..., tls_ca=...), or a list of them, one per stage (a certificate each)."""
     per_stage = tls if isinstance(tls, list) else [tls or {}] * num_stages
     assert len(per_stage) == num_stages, f"{len(per_stage)} TLS settings for {num_stages} stages"
-    ports = [free_port() for _ in range(num_stages)]
+    ports = free_ports(num_stages)
     addresses = [f"127.0.0.1:{p}" for p in ports]
     servers, servicers = [], []
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.forkserver import Child
-from coordinator.engine.local import LocalStages
+from coordinator.engine.local import LocalStages, free_ports
 from helpers.wait import wait_until
 from protos import stage_pb2, stage_pb2_grpc
 
@@ -56,7 +57,7 @@ async def test_stage_drains_and_exits_cleanly_on_sigterm(tiny_model, monkeypatch
 
 PARENT = """
 import sys, time
-from coordinator.engine.local import LocalStages
+from coordinator.engine.local import LocalStages, free_ports
 stages = LocalStages(1, model=sys.argv[1], preloaded=sys.argv[2] == "forked")
 stages.start()
 print(stages.procs[0].pid, type(stages.procs[0]).__name__, flush=True)
@@ -117,3 +118,15 @@ def test_stages_are_forked_from_the_preloaded_server_but_not_on_cuda_nor_once_th
     kinds["changed"] = type(stages.procs[0])
     stages.stop()
     assert kinds == {"cpu": Child, "cuda": subprocess.Popen, "changed": subprocess.Popen}
+
+
+def test_free_ports_are_distinct_and_free():
+    """The stages' ports are picked together (all held bound until every one is picked): one port per stage,
+    never the same twice (picked one at a time, the system may hand the one it just saw closed out again:
+    two stages told the same port, seen in CI as a pipeline whose stages 1 and 2 were one server)."""
+    for _ in range(20):
+        ports = free_ports(16)
+        assert len(set(ports)) == 16
+        for port in ports:                     # each one can be bound now
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", port))
