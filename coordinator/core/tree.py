@@ -182,7 +182,7 @@ class TokenTree(TreeSelection):
             raise ValueError(f"new node id {first} is not above every live id (last {int(self.a.id[-1])})")
         ids = np.arange(first, first + m * k, dtype=np.int64)
         scores = self.a.score[prow][:, None] + rows.logps                    # [m, k] cumulative
-        self.a.append(ids, np.repeat(parent_ids, k), rows.tokens.ravel(), np.repeat(self.a.depth[prow] + 1, k),
+        self.a.append(ids, parent_ids.repeat(k), rows.tokens.ravel(), (self.a.depth[prow] + 1).repeat(k),
                       scores.ravel())
         self.a.best_child[prow] = ids[::k] + scores.argmax(axis=1)          # the first best of each row
         return ids
@@ -203,7 +203,7 @@ class TokenTree(TreeSelection):
         out = valid.copy()
         for i, pid in enumerate(parent_ids.tolist()):
             seen = have.setdefault(pid, set(self.a.token[self.a.parent == pid].tolist()))
-            for j in np.flatnonzero(valid[i]).tolist():
+            for j in valid[i].nonzero()[0].tolist():
                 tok = int(rows.tokens[i, j])
                 if tok in seen:
                     out[i, j] = False
@@ -228,7 +228,7 @@ class TokenTree(TreeSelection):
         of them were injected), for the cost rule (coordinator/core/sizing.py)."""
         a = self.a
         mine = a.parent == self.root
-        at = np.flatnonzero(a.token[mine] == token)
+        at = (a.token[mine] == token).nonzero()[0]
         return (int(at[0]) if len(at) else -1), int(np.count_nonzero(a.injected[mine]))
 
     def matching_child(self, node_id: int, token: int) -> int | None:
@@ -236,7 +236,7 @@ class TokenTree(TreeSelection):
         a = self.a
         if a.n == 1:                              # the root alone (no speculation): no child at all
             return None
-        hit = np.flatnonzero((a.parent == node_id) & a.injected & (a.token == token))
+        hit = ((a.parent == node_id) & a.injected & (a.token == token)).nonzero()[0]
         return int(a.id[hit[0]]) if len(hit) else None
 
     def commit(self, child_id: int) -> Pruned:
@@ -260,7 +260,7 @@ class TokenTree(TreeSelection):
         pruned = self._pruned(dropped)
         self.q.pop(self.root, None)
         self.target_p.pop(self.root, None)
-        self.a.keep(np.flatnonzero(keep))
+        self.a.keep(keep.nonzero()[0])
         self.a.parent[0] = -1
         self.root = child_id
         return pruned

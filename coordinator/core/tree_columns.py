@@ -62,7 +62,7 @@ class NodeArrays:
 
     def where(self, ids: np.ndarray) -> np.ndarray:
         """[len(ids)] the row of each id, -1 for an id that is not live."""
-        return np.take(self._where, np.asarray(ids, np.int64) - (self.base - 1), mode="clip")
+        return self._where.take(np.asarray(ids, np.int64) - (self.base - 1), mode="clip")
 
     def where_one(self, node_id: int) -> int:
         """The row of one id, -1 when it is not live."""

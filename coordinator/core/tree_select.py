@@ -104,7 +104,7 @@ class TreeSelection:
         left = width - len(chosen)
         if left > 0:
             pool = ~a.injected if max_depth is None else ~a.injected & (a.depth <= max_depth)
-            best = self._best(np.flatnonzero(pool), left)
+            best = self._best(pool.nonzero()[0], left)
             a.injected[best] = True
             chosen += best.tolist()
         return self._in_order(np.asarray(chosen, np.int64))
@@ -130,7 +130,7 @@ class TreeSelection:
         if tip is not None and usable[tip]:
             first.append(tip)
             usable[tip] = False
-        rows = np.flatnonzero(usable)
+        rows = usable.nonzero()[0]
         best = self._best(rows, max(0, count - len(first)), injected_first=True)
         return a.id[self._rows_in_order(np.concatenate((np.asarray(first, np.int64), best)))]
 
@@ -151,7 +151,9 @@ class TreeSelection:
         a = self.a
         neg = -a.score[rows]
         if len(rows) > k:
-            kth = np.partition(neg, k - 1)[k - 1]
+            part = neg.copy()
+            part.partition(k - 1)
+            kth = part[k - 1]
             keep = neg <= kth
             rows, neg = rows[keep], neg[keep]
         keys = (a.id[rows], a.depth[rows]) + ((~a.injected[rows],) if injected_first else ()) + (neg,)
@@ -165,6 +167,6 @@ class TreeSelection:
         return self.a.id[self._rows_in_order(rows)].tolist()
 
     def _take(self, mask: np.ndarray, width: int) -> list[int]:
-        best = self._best(np.flatnonzero(mask), width)
+        best = self._best(mask.nonzero()[0], width)
         self.a.injected[best] = True
         return self._in_order(best)

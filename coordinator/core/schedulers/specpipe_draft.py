@@ -141,7 +141,7 @@ class DraftBeside:
             first = len(rows) - len(nodes)        # the rows before are committed nodes (`unseen`)
             alive = tree.live(nodes)
             if first or not alive.all():
-                live = np.flatnonzero(alive)
+                live = alive.nonzero()[0]
                 keep = [nodes[i] for i in live.tolist()]
                 rows = rows.select(live + first) if isinstance(rows, ProposalRows) else \
                     [rows[i + first] for i in live]
