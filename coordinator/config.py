@@ -16,7 +16,7 @@ from common.options import add_flag, add_options, env_name, option, values
 from common.tls import TLSFiles
 
 from coordinator.core.schedulers.registry import Speculation
-from coordinator.core.vocabulary import DRAFTS, TREE_POLICIES, VERIFIERS
+from coordinator.core.vocabulary import DRAFTS, STAGE_HARDWARE, TREE_POLICIES, VERIFIERS
 
 DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -132,7 +132,9 @@ class CoordinatorConfig(SpecConfig, TLSOptions):
         if self.verify not in VERIFIERS:
             raise ValueError(f"unknown verifier {self.verify!r}; choose from {', '.join(VERIFIERS)}")
         if self.tree_policy not in TREE_POLICIES:
-            raise ValueError(f"unknown tree policy {self.tree_policy!r}; choose layer, best-first or hybrid")
+            raise ValueError(f"unknown tree policy {self.tree_policy!r}; choose from {', '.join(TREE_POLICIES)}")
+        if self.stage_hardware not in STAGE_HARDWARE:
+            raise ValueError(f"unknown stage hardware {self.stage_hardware!r}; choose from {', '.join(STAGE_HARDWARE)}")
         if self.api_max_message_mb < 1 or self.api_max_concurrent_rpcs < 1 or self.http_timeout_s <= 0 or \
                 self.stream_write_timeout_s <= 0:
             raise ValueError("api_max_message_mb and api_max_concurrent_rpcs must be at least 1, "

@@ -17,7 +17,7 @@ from coordinator.core.schedulers.registry import SpecOptions, Speculation
 # a valid value other than the default, for each speculation field
 OTHER = {"width": 5, "tree_policy": "layer", "topk": 3, "draft_rounds": 1, "sps_k": 2, "tree_nodes": 9,
          "tree_depth": 4, "tree_topk": 2, "pipeinfer_run": 3, "pipeinfer_min_prob": 0.25, "verify": "rejection",
-         "node_budget": 17, "prefill_chunk": 64}
+         "node_budget": 17, "prefill_chunk": 64, "stage_hardware": "apart"}
 
 
 def test_every_speculation_field_reaches_spec_options():
@@ -67,7 +67,8 @@ COORDINATOR_ENV = [
     ("--draft-model", "SPECPIPE_DRAFT_MODEL", "dm", "dm"), ("--draft-device", "SPECPIPE_DRAFT_DEVICE", "cuda", "cuda"),
     ("--draft-dtype", "SPECPIPE_DRAFT_DTYPE", "float16", "float16"), ("--width", "SPECPIPE_WIDTH", "5", 5),
     ("--tree-policy", "SPECPIPE_TREE_POLICY", "layer", "layer"),
-    ("--verify", "SPECPIPE_VERIFY", "rejection", "rejection"), ("--node-budget", "SPECPIPE_NODE_BUDGET", "9", 9),
+    ("--verify", "SPECPIPE_VERIFY", "rejection", "rejection"),
+    ("--stage-hardware", "SPECPIPE_STAGE_HARDWARE", "apart", "apart"), ("--node-budget", "SPECPIPE_NODE_BUDGET", "9", 9),
     ("--prefill-chunk", "SPECPIPE_PREFILL_CHUNK", "7", 7), ("--max-active", "SPECPIPE_MAX_ACTIVE", "3", 3),
     ("--max-queue", "SPECPIPE_MAX_QUEUE", "4", 4), ("--grace-s", "SPECPIPE_GRACE_S", "1.5", 1.5),
     ("--recovery-timeout-s", "SPECPIPE_RECOVERY_TIMEOUT_S", "2.5", 2.5),
@@ -136,3 +137,13 @@ def test_from_args_builds_every_field_from_the_environment(monkeypatch):
     cfg = CoordinatorConfig.from_env()
     assert cfg.stages == ("s-0:1", "s-1:1", "s-2:1") and cfg.stage_template == "s-{i}:1"
     assert (cfg.k8s_namespace, cfg.width, cfg.tree_policy, cfg.probe_timeout_s) == ("ns", 5, "layer", 12.5)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("stage_hardware", "gpu", "unknown stage hardware 'gpu'; choose from shared, apart"),
+    ("tree_policy", "wide", "unknown tree policy 'wide'; choose from layer, best-first, hybrid"),
+    ("verify", "exact", "unknown verifier 'exact'; choose from match, rejection"),
+])
+def test_a_closed_set_setting_outside_its_set_is_refused_naming_the_choices(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        CoordinatorConfig(stages=("h:1",), **{field: value})

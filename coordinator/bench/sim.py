@@ -6,7 +6,7 @@ time `a + b * rows`. The draft's work is charged to the coordinator by the draft
 (`--draft-time-ms`, services/config.py parse_draft_time): by default each draft model call costs
 0.3 x the stage-time model (0.3a ms + 0.3b ms per row), or its measured CPU time with `measured`. The
 modelled stage time does not depend on the draft's work, and specpipe's cost rule is told so
-(`make_scheduler(..., shared=False)`: it tries none only where its own model favours none).
+(`stage_hardware=apart`: it tries none only where its own model favours none).
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from coordinator.core.schedulers.base import Request
 from coordinator.core.schedulers.registry import SpecOptions, make_scheduler
 from coordinator.frontends.service import load_tokenizer
 from coordinator.core.text import PromptEncoder
+from coordinator.core.vocabulary import StageHardware
 
 
 def run_simulated(cfg: BenchConfig, log=print) -> dict:
@@ -58,8 +59,8 @@ def run_simulated(cfg: BenchConfig, log=print) -> dict:
         sizers: dict[Variant, object] = {}       # specpipe's cost rule lives on across prompts, as in the engine
         for pi, prompt in enumerate(token_ids):
             for v in cfg.variants:
-                spec = replace(SpecOptions(draft), **v.overrides())
-                sched = make_scheduler(v.method, num_stages, spec, sizers.get(v), shared=False)
+                spec = replace(SpecOptions(draft), stage_hardware=StageHardware.APART, **v.overrides())
+                sched = make_scheduler(v.method, num_stages, spec, sizers.get(v))
                 sizers[v] = getattr(sched, "sizer", None)
                 twin = _twin(sched, draft, cfg.control_scale)
                 pipe = SimulatedPipeline([runner], stage_time, num_stages=num_stages, hop_ms=cfg.hop_ms,
@@ -129,8 +130,9 @@ def _levels(cfg: BenchConfig, num_stages: int, runner: StageRunner, draft, token
         rate = level if cfg.request_rates else None
         n = len(token_ids) * cfg.rounds if rate else level * cfg.rounds
         for v in cfg.variants:
-            spec = replace(SpecOptions(draft), **{"node_budget": cfg.node_budget, **v.overrides()})
-            sched = make_scheduler(v.method, num_stages, spec, sizers.get(v), shared=False)
+            spec = replace(SpecOptions(draft), stage_hardware=StageHardware.APART,
+                           **{"node_budget": cfg.node_budget, **v.overrides()})
+            sched = make_scheduler(v.method, num_stages, spec, sizers.get(v))
             sizers[v] = getattr(sched, "sizer", None)
             twin = _twin(sched, draft, cfg.control_scale)
             pipe = SimulatedPipeline([runner], stage_time, num_stages=num_stages, hop_ms=cfg.hop_ms,

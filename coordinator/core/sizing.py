@@ -45,7 +45,8 @@ What it chooses (`Sizer.step`, after every result; `choose` every max(8, 4 S) re
    The GPU regime (2 * d(32) = 3.3 ms against c(32) + hop = 6.3 ms) starts and stays large.
 1. **Start large, try none**: the largest choice first; once the rule knows enough, unless speculation is
    predicted EXPLORE times as fast as none (merely as fast where the stage times cannot depend on the
-   draft: `Sizer(shared=False)`, the simulated clock), none is tried (NONE_PACED results, after the S results of
+   draft: `Sizer(shared=False)`, from `--stage-hardware apart`: the Helm chart's GPU pods, the simulated clock),
+   none is tried (NONE_PACED results, after the S results of
    micro-batches sent before the switch), to measure what plain
    pipelining costs here (where stages share cores with the draft, the same stages run much faster alone,
    which the speculating costs hide).
@@ -141,8 +142,9 @@ class Sizer:
     def __init__(self, num_stages: int, sizing: Sizing, node_budget: int = 32, shared: bool = True) -> None:
         """`shared`: the stages' step times may depend on the draft's work (stages and draft share hardware,
         as on a CPU whose cores run both), so the speculating costs may overstate none's and none is tried
-        unless speculation is predicted EXPLORE times as fast; False where they cannot (the simulated clock's
-        modelled stage time): none is tried only where the model itself favours it."""
+        unless speculation is predicted EXPLORE times as fast; False where they cannot (stages on their own
+        accelerators, the simulated clock's modelled stage time; `--stage-hardware apart`): none is tried only
+        where the model itself favours it."""
         self.S, self.sizing, self.node_budget = num_stages, sizing, node_budget
         self.explore = EXPLORE if shared else 1.0
         self.costs = {True: Costs(), False: Costs()}     # speculating -> its costs

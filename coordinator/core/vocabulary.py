@@ -40,6 +40,13 @@ class Verifier(str, enum.Enum):
     REJECTION = "rejection"
 
 
+class StageHardware(str, enum.Enum):
+    """Whether the stages compute on the draft's hardware (coordinator/core/sizing.py `Sizer`: when they do,
+    plain pipelining is tried before the rule trusts its model of it)."""
+    SHARED = "shared"              # one machine: `specpipe local`, `make run`; stage steps slow down while it drafts
+    APART = "apart"                # their own accelerators: the Helm chart's GPU pods, the simulated clock
+
+
 def names(kind: type[enum.Enum]) -> tuple[str, ...]:
     """The wire strings of a closed set, in declaration order."""
     return tuple(m.value for m in kind)
@@ -50,3 +57,4 @@ METHODS = names(Method)
 TREE_POLICIES = names(TreePolicy)
 DRAFTS = names(DraftKind)
 VERIFIERS = names(Verifier)
+STAGE_HARDWARE = names(StageHardware)

@@ -408,7 +408,8 @@ def test_empty_knobs_render_nothing():
 SETTINGS = {"prefillChunk": ("prefill_chunk", 128), "apiMaxMessageMb": ("api_max_message_mb", 16),
             "apiMaxConcurrentRpcs": ("api_max_concurrent_rpcs", 64), "httpTimeoutSeconds": ("http_timeout_s", 12.5),
             "maxPerClient": ("max_per_client", 8), "batchTimeoutSeconds": ("batch_timeout_s", 45),
-            "drainTimeoutSeconds": ("drain_timeout_s", 90), "draftDtype": ("draft_dtype", "float16")}
+            "drainTimeoutSeconds": ("drain_timeout_s", 90), "draftDtype": ("draft_dtype", "float16"),
+            "width": ("width", 16)}
 
 
 def _coordinator_config(objs, files=None):
@@ -439,12 +440,22 @@ def test_coordinator_settings_are_flags_our_cli_parses(tmp_path):
     assert cfg.health_port == 50070 and _coordinator_config(render(*TLS_ALL), tmp_path).health_port == 50070
 
 
+def test_the_chart_tells_the_cost_rule_its_stages_are_on_their_own_gpus(tmp_path):
+    """The stage pods compute apart from the coordinator's draft (not the code's default, which suits one
+    machine); `shared` is passed through for a deployment that puts both on one accelerator."""
+    assert _coordinator_config(render()).stage_hardware == "apart"
+    shared = render_values(tmp_path, {"coordinator": {"stageHardware": "shared"}})
+    assert _coordinator_config(shared).stage_hardware == "shared"
+
+
 @pytest.mark.parametrize("bad, message", [
     ("coordinator.prefillChunk=0", "minimum"),
     ("coordinator.apiMaxMessageMb=0", "minimum"),
     ("coordinator.httpTimeoutSeconds=0", "exclusiveMinimum"),
     ("coordinator.maxPerClient=-1", "minimum"),
     ("coordinator.draftDtype=int8", "value must be one of"),
+    ("coordinator.stageHardware=gpu", "value must be one of"),
+    ("coordinator.width=-1", "minimum"),
     ("coordinator.draft=model", "coordinator.draft=model needs coordinator.draftModelPath"),
     ("coordinator.httpPort=50051", "the coordinator's ports must differ"),
     ("coordinator.metricsPort=50070", "the coordinator's ports must differ"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.core.sizing import NONE, Choice, Line, Pace, Sizer, Sizing, load
+from coordinator.core.sizing import EXPLORE, NONE, Choice, Line, Pace, Sizer, Sizing, load
 
 
 def test_a_line_through_two_buckets():
@@ -164,6 +164,15 @@ def test_none_is_tried_where_the_stages_may_share_the_drafts_hardware(shared, tr
     assert sizer.rate(NONE) == pytest.approx(1 / 44.2)
     _pace(sizer, 44.2 / 3)
     assert (sizer.choose() == NONE) is tried and sizer.tried is tried
+
+
+@pytest.mark.parametrize("hardware, explore", [("shared", EXPLORE), ("apart", 1.0), (None, EXPLORE)])
+def test_the_stage_hardware_setting_reaches_the_cost_rule(hardware, explore):
+    """--stage-hardware (default shared: one machine) makes the scheduler's rule explore none or not."""
+    from coordinator.core.drafts.ngram import NgramDraft
+    from coordinator.core.schedulers.registry import SpecOptions, make_scheduler
+    spec = SpecOptions(NgramDraft()) if hardware is None else SpecOptions(NgramDraft(), stage_hardware=hardware)
+    assert make_scheduler("specpipe", 8, spec).sizer.explore == explore
 
 
 def test_what_ran_is_judged_by_its_measured_pace():

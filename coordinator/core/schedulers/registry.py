@@ -12,7 +12,7 @@ from coordinator.core.schedulers.pp import PPScheduler
 from coordinator.core.schedulers.specpipe import SpecPipeScheduler
 from coordinator.core.schedulers.trip import make_pipeinfer, make_sps, make_tree
 from coordinator.core.sizing import Sizer, Sizing
-from coordinator.core.vocabulary import METHODS, TREE_POLICIES, VERIFIERS
+from coordinator.core.vocabulary import METHODS, STAGE_HARDWARE, TREE_POLICIES, VERIFIERS, StageHardware
 
 
 
@@ -29,6 +29,10 @@ class Speculation:
     draft_rounds: int = option(0, "specpipe: draft calls per step; each expands the best not-yet-expanded nodes so "
                                   "a micro-batch can span several tree layers (layer policy: 1); 0: the cost rule "
                                   "picks 1 or 2")
+    stage_hardware: str = option("shared", "specpipe's cost rule: the stages compute on the draft's hardware "
+                                           "(shared: one machine, e.g. specpipe local), so plain pipelining is "
+                                           "tried once before its model of it is trusted; or on their own "
+                                           "(apart: GPU pods)", choices=STAGE_HARDWARE)
     sps_k: int = option(4, "sps: draft tokens per trip")
     tree_nodes: int = option(32, "tree: nodes per trip")
     tree_depth: int = option(6, "tree: expansion rounds per trip")
@@ -54,11 +58,11 @@ class SpecOptions(Speculation):
 
 
 def make_scheduler(method: str, num_stages: int, spec: SpecOptions | None = None,
-                   sizer: Sizer | None = None, shared: bool = True) -> Scheduler:
+                   sizer: Sizer | None = None) -> Scheduler:
     """The method's scheduler. `sizer`: specpipe's cost rule carried over from an earlier scheduler of the
     same pipeline and settings (what it learnt stays); by default a new one when any of width, topk and draft
-    rounds is left to it, told whether the stages' step times may depend on the draft's work (`shared`:
-    coordinator/core/sizing.py Sizer)."""
+    rounds is left to it, told whether the stages' step times may depend on the draft's work
+    (`spec.stage_hardware`: coordinator/core/sizing.py Sizer)."""
     spec = spec or SpecOptions()
     if method == "pp":
         return PPScheduler(num_stages, spec.prefill_chunk)
@@ -69,6 +73,7 @@ def make_scheduler(method: str, num_stages: int, spec: SpecOptions | None = None
             raise ValueError("method 'specpipe' needs a draft source (--draft quant|quant+ngram|ngram|model)")
         sizing = Sizing.of(spec.width, spec.topk, spec.draft_rounds)
         if sizer is None and sizing.auto:
+            shared = StageHardware(spec.stage_hardware) is StageHardware.SHARED
             sizer = Sizer(num_stages, sizing, spec.node_budget, shared)
         return SpecPipeScheduler(num_stages, spec.draft, sizing.max_width, spec.tree_policy, sizing.max_topk,
                                  spec.node_budget, spec.verify, sizing.max_rounds, spec.prefill_chunk, sizer)
