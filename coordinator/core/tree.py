@@ -115,6 +115,11 @@ class TokenTree(TreeSelection):
         rows, live = self.rows(np.asarray(node_ids, np.int64))
         self.a.asked[rows[live]] = True
 
+    def ask(self, rows: np.ndarray, root_parent: int) -> tuple[list[int], list[int], list[int], list[int]]:
+        """`mark_asked` by rows (`expand_rows`' answer), for the hot path: returns their `segment_of`."""
+        self.a.asked[rows] = True
+        return self.segment_of(rows, root_parent)
+
     def children(self, node_id: int) -> list[int]:
         return self.a.id[self.a.parent == node_id].tolist()
 
@@ -231,6 +236,24 @@ class TokenTree(TreeSelection):
         at = (a.token[mine] == token).nonzero()[0]
         return (int(at[0]) if len(at) else -1), int(np.count_nonzero(a.injected[mine]))
 
+    def match_root(self, token: int) -> tuple[int | None, int, int]:
+        """Verification at the root in one scan of the parent column: (the injected child carrying the target's
+        `token`, else None; `root_rank(token)`). What `matching_child(root, token)` and `root_rank(token)`
+        return, for the hot path.
+
+            root 0 with children 1:a (injected), 2:b (injected), 3:c  ->  match_root(b) == (2, 1, 2)
+                                                                        match_root(c) == (None, 2, 2)
+        """
+        a = self.a
+        if a.n == 1:                              # the root alone (no speculation): no child at all
+            return None, -1, 0
+        mine = (a.parent == self.root).nonzero()[0]
+        injected = a.injected[mine]
+        at = (a.token[mine] == token).nonzero()[0]
+        hit = at[injected[at]]
+        child = int(a.id[mine[hit[0]]]) if len(hit) else None
+        return child, (int(at[0]) if len(at) else -1), int(np.count_nonzero(injected))
+
     def matching_child(self, node_id: int, token: int) -> int | None:
         """The injected child of node_id that carries `token`, if any."""
         a = self.a
@@ -270,18 +293,17 @@ class TokenTree(TreeSelection):
         depth[row] - depth[top] layers up is `top`, found by pointer doubling (jumps of 1, 2, 4, ... layers:
         log2 of the tree's height in whole-column steps)."""
         a = self.a
-        up = self.rows(a.parent)[0]
-        up[0] = 0                                  # the root's parent: itself (every jump stops there)
         climb = a.depth - a.depth[top]             # layers from each row up to top's layer
         if not len(climb):
             return np.zeros(0, bool)
+        up = self.rows(a.parent)[0]
+        up[0] = 0                                  # the root's parent: itself (every jump stops there)
         at = np.arange(len(climb))
-        todo = np.maximum(climb, 0)
-        while todo.any():
-            odd = (todo & 1).astype(bool)
-            at[odd] = up[at[odd]]
-            todo >>= 1
-            up = up[up]
+        todo = climb.clip(0)
+        for jump in range(int(todo.max()).bit_length()):    # jumps of 2 ** jump layers where that bit is set
+            if jump:
+                up = up.take(up)
+            at = np.where(todo & (1 << jump), up.take(at), at)
         return (climb >= 0) & (at == top)
 
     def _pruned(self, dropped: np.ndarray) -> Pruned:
@@ -330,6 +352,11 @@ class TokenTree(TreeSelection):
         if len(node_ids) == 1 and node_ids[0] == self.root:      # a plain request's micro-batch
             return [root_parent], [int(self.a.depth[0])], [int(self.a.token[0])]
         rows, _ = self.rows(np.asarray(node_ids, np.int64))
-        parents = self.a.parent[rows]
-        parents = np.where(rows == 0, root_parent, parents)
-        return parents.tolist(), self.a.depth[rows].tolist(), self.a.token[rows].tolist()
+        return self.segment_of(rows, root_parent)[1:]
+
+    def segment_of(self, rows: np.ndarray, root_parent: int) -> tuple[list[int], list[int], list[int], list[int]]:
+        """(ids, parents, positions, tokens) of live rows (`select_rows`' or `expand_rows`' answer), as
+        `segment_rows` gives for ids."""
+        a = self.a
+        parents = np.where(rows == 0, root_parent, a.parent[rows])
+        return a.id[rows].tolist(), parents.tolist(), a.depth[rows].tolist(), a.token[rows].tolist()

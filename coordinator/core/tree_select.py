@@ -49,14 +49,17 @@ class TreeSelection:
 
     def select_layer(self, width: int, max_depth: int | None = None) -> list[int]:
         """The best `width` children of the deepest injected layer (the root counts as a layer)."""
+        return self.a.id[self._layer_rows(width, max_depth)].tolist()
+
+    def _layer_rows(self, width: int, max_depth: int | None) -> np.ndarray:
         a = self.a
         if not a.injected.any():
-            return []
+            return np.zeros(0, np.int64)
         deepest = int(a.depth[a.injected].max())
         return self._take(self._candidate_mask(max_depth) & (a.depth == deepest + 1), width)
 
     def select_best_first(self, width: int, max_depth: int | None = None) -> list[int]:
-        return self._take(self._candidate_mask(max_depth), width)
+        return self.a.id[self._take(self._candidate_mask(max_depth), width)].tolist()
 
     def lead(self) -> int:
         """How many layers the injected tree reaches below the root."""
@@ -65,12 +68,16 @@ class TreeSelection:
     def select(self, policy: str, width: int, max_depth: int | None = None, horizon: int = 1) -> list[int]:
         """SpecPipe's growth per micro-batch: `layer` one layer (the paper's rule); `best-first` multi-layer
         best-first (`select_ahead`); `hybrid` the same with the spine first, `horizon` layers deep."""
+        return self.a.id[self.select_rows(policy, width, max_depth, horizon)].tolist()
+
+    def select_rows(self, policy: str, width: int, max_depth: int | None = None, horizon: int = 1) -> np.ndarray:
+        """`select`, as the chosen rows (parents first), for the hot path."""
         if policy == "layer":
-            return self.select_layer(width, max_depth)
+            return self._layer_rows(width, max_depth)
         if policy == "best-first":
-            return self.select_ahead(width, max_depth)
+            return self._ahead_rows(width, max_depth)
         if policy == "hybrid":
-            return self.select_ahead(width, max_depth, spine_lead=horizon)
+            return self._ahead_rows(width, max_depth, spine_lead=horizon)
         raise ValueError(f"unknown tree policy {policy!r}; choose from {', '.join(TREE_POLICIES)}")
 
     def select_ahead(self, width: int, max_depth: int | None = None, spine_lead: int = 0) -> list[int]:
@@ -87,6 +94,9 @@ class TreeSelection:
             0 -> 1 (-0.1, expanded) -> 3 (-0.3)        select_best_first(3) -> [1, 2]     (3 not eligible)
               -> 2 (-0.5)                               select_ahead(3)      -> [1, 2, 3]  (3 rides with 1)
         """
+        return self.a.id[self._ahead_rows(width, max_depth, spine_lead)].tolist()
+
+    def _ahead_rows(self, width: int, max_depth: int | None = None, spine_lead: int = 0) -> np.ndarray:
         a = self.a
         chosen: list[int] = []
         if width > 0 and not a.injected[0]:
@@ -107,7 +117,7 @@ class TreeSelection:
             best = self._best(pool.nonzero()[0], left)
             a.injected[best] = True
             chosen += best.tolist()
-        return self._in_order(np.asarray(chosen, np.int64))
+        return self._rows_in_order(np.asarray(chosen, np.int64))
 
     def to_expand(self, count: int, max_depth: int | None = None, skip: frozenset[int] = frozenset(),
                   spine_lead: int = 0, injected_only: bool = False) -> np.ndarray:
@@ -117,6 +127,11 @@ class TreeSelection:
         `spine_lead` layers below the root. `injected_only`: only nodes already injected (the one-layer
         rule). Ranked by (-score, not injected, depth, id). Every node's parent is expanded (that is where
         it came from), so the draft can compute any of them."""
+        return self.a.id[self.expand_rows(count, max_depth, skip, spine_lead, injected_only)]
+
+    def expand_rows(self, count: int, max_depth: int | None = None, skip: frozenset[int] = frozenset(),
+                    spine_lead: int = 0, injected_only: bool = False) -> np.ndarray:
+        """`to_expand`, as rows (parents first), for the hot path."""
         a = self.a
         usable = ~a.expanded & ~a.asked
         for token in skip:
@@ -132,7 +147,7 @@ class TreeSelection:
             usable[tip] = False
         rows = usable.nonzero()[0]
         best = self._best(rows, max(0, count - len(first)), injected_first=True)
-        return a.id[self._rows_in_order(np.concatenate((np.asarray(first, np.int64), best)))]
+        return self._rows_in_order(np.concatenate((np.asarray(first, np.int64), best)) if first else best)
 
     def _spine_tip(self, lead: int) -> int | None:
         """The row of the first unexpanded node on the chain of best children from the root, if within
@@ -156,17 +171,16 @@ class TreeSelection:
             kth = part[k - 1]
             keep = neg <= kth
             rows, neg = rows[keep], neg[keep]
-        keys = (a.id[rows], a.depth[rows]) + ((~a.injected[rows],) if injected_first else ()) + (neg,)
+        # (rows are in id order: the row itself is the id's tie-break)
+        keys = (rows, a.depth[rows]) + ((~a.injected[rows],) if injected_first else ()) + (neg,)
         return rows[np.lexsort(keys)[:k]]
 
     def _rows_in_order(self, rows: np.ndarray) -> np.ndarray:
-        """Rows by (depth, id): parents before children."""
-        return rows[np.lexsort((self.a.id[rows], self.a.depth[rows]))]
+        """Rows by (depth, id): parents before children (rows are in id order)."""
+        return rows[np.lexsort((rows, self.a.depth[rows]))]
 
-    def _in_order(self, rows: np.ndarray) -> list[int]:
-        return self.a.id[self._rows_in_order(rows)].tolist()
-
-    def _take(self, mask: np.ndarray, width: int) -> list[int]:
+    def _take(self, mask: np.ndarray, width: int) -> np.ndarray:
+        """The best `width` rows of the mask, marked injected, parents first."""
         best = self._best(mask.nonzero()[0], width)
         self.a.injected[best] = True
-        return self._in_order(best)
+        return self._rows_in_order(best)

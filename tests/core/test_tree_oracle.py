@@ -88,4 +88,9 @@ def test_the_array_tree_matches_the_object_tree(data) -> None:
             t.set_target_next([node], [token])
             ref.nodes[node].target_next = token
             assert t.matching_child(node, token) == ref.matching_child(node, token)
+            kids = ref.nodes[ref.root].children              # the root's, in the draft's order
+            tokens = [ref.nodes[c].token for c in kids]
+            assert t.match_root(token) == (ref.matching_child(ref.root, token),
+                                           tokens.index(token) if token in tokens else -1,
+                                           sum(ref.nodes[c].injected for c in kids))
         same(t, ref)

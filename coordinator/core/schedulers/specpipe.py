@@ -24,6 +24,8 @@ sampling, see coordinator/core/verify.py.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from common.batch import MicroBatch, Segment
 from common.sampling import uniform
 
@@ -140,15 +142,15 @@ class SpecPipeScheduler(DraftBeside, BatchingScheduler):
             return Segment(request_id, [tree.root], parents, positions, tokens, [True])
         if self.policy == "layer" and not injected[0]:
             injected[0] = True
-            chosen = [tree.root]
+            rows = np.zeros(1, np.int64)           # the root
         else:
-            chosen = tree.select(self.policy, min(self.width, share), self._max_depth(state, tree),
-                                 horizon=self.num_stages)
-        if not chosen:
+            rows = tree.select_rows(self.policy, min(self.width, share), self._max_depth(state, tree),
+                                    horizon=self.num_stages)
+        if not len(rows):
             return None
-        state.spec.nodes_injected += len(chosen)
+        state.spec.nodes_injected += len(rows)
         self.pending[request_id] = self.rounds
-        parents, positions, tokens = tree.segment_rows(chosen, state.root_parent)
+        chosen, parents, positions, tokens = tree.segment_of(rows, state.root_parent)
         return Segment(request_id, chosen, parents, positions, tokens, [True] * len(chosen))
 
     def _on_segment(self, state: RequestState, seg: Segment, outputs: list[int], logprobs=None) -> None:
@@ -268,11 +270,13 @@ class SpecPipeScheduler(DraftBeside, BatchingScheduler):
             # (no distributions asked) is verified by the target's own draw, as `match` does: lossless too
             if rejection and tree.target_p.get(tree.root) is not None:
                 child, token = self._decide(state, tree)
+                rank = tree.root_rank(token)
             else:
-                child, token = tree.matching_child(tree.root, target), target
+                child, *rank = tree.match_root(target)
+                token = target
             plain = request_id in self.plain     # no speculation: the target's token is the next root, no miss
             if self.sizer is not None and not plain:
-                self.sizer.observe_root(*tree.root_rank(token))
+                self.sizer.observe_root(*rank)
             if child is not None:
                 state.spec.hits += 1
                 pruned = tree.commit(child)

@@ -89,23 +89,21 @@ class DraftBeside:
             tree = self.trees[request_id]
             limit = self._max_depth(state, tree)
             if self.policy == "layer":
-                nodes = tree.to_expand(len(tree.nodes), limit, state.request.eos_ids, injected_only=True)
+                rows = tree.expand_rows(tree.a.n, limit, state.request.eos_ids, injected_only=True)
             else:
-                nodes = tree.to_expand(width, limit, state.request.eos_ids, spine_lead=lead)
-            self._ask(job, request_id, nodes.tolist())
+                rows = tree.expand_rows(width, limit, state.request.eos_ids, spine_lead=lead)
+            if len(rows):
+                self._ask(job, request_id, *tree.ask(rows, state.root_parent))
         if job.ops or job.begin or job.expand:
             return job
         self._dispatch()                  # nothing to compute: the rounds counted down may free a request
         return None
 
-    def _ask(self, job: DraftJob, request_id: str, nodes: list[int]) -> None:
-        """Add the expansion of these tree nodes to the job (behind the committed nodes the draft has not
-        computed yet, `unseen`)."""
-        if not nodes:
-            return
-        state, tree = self.requests[request_id], self.trees[request_id]
-        tree.mark_asked(nodes)
-        parents, positions, tokens = tree.segment_rows(nodes, state.root_parent)
+    def _ask(self, job: DraftJob, request_id: str, nodes: list[int], parents: list[int], positions: list[int],
+             tokens: list[int]) -> None:
+        """Add the expansion of these tree nodes (marked asked: `TokenTree.ask`) to the job, behind the
+        committed nodes the draft has not computed yet (`unseen`)."""
+        state = self.requests[request_id]
         fresh = list(map(DraftNode, nodes, parents, positions, tokens))
         job.expand.append((request_id, self.unseen.pop(request_id, []) + fresh))
         job.tree_nodes[request_id] = nodes
@@ -158,8 +156,11 @@ class DraftBeside:
 
     def _expand(self, request_id: str, nodes: list[int]) -> None:
         """Expand these nodes of one request now (the trip baselines)."""
-        job = DraftJob(topk=self.topk)
-        self._ask(job, request_id, nodes)
+        if not nodes:
+            return
+        job, tree = DraftJob(topk=self.topk), self.trees[request_id]
+        tree.mark_asked(nodes)
+        self._ask(job, request_id, nodes, *tree.segment_rows(nodes, self.requests[request_id].root_parent))
         if job.expand:
             self._draft_now(job)
 
