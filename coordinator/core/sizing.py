@@ -57,8 +57,6 @@ What it chooses (`Sizer.step`, after every result; `choose` every max(8, 4 S) re
 3. **Hysteresis**: a change must promise MARGIN more than the choice in use, UNTRIED more when only the model
    speaks for it. Ties keep the current choice.
 
-The rule chooses width and rounds; topk follows the width (`Sizing.topk_for`: width / 8, from 4 to 16).
-
 Going to none, running requests finish without draft rounds (what is in flight still commits); coming back,
 they rejoin (coordinator/core/schedulers/specpipe.py, `_resize`). Explicitly given values pin (`Sizing`): a
 pinned width is never changed and never dropped to none, and with all three pinned there is no rule. A
@@ -76,7 +74,6 @@ from coordinator.core.sizing_estimators import Costs, Ewma, Line, Pace
 
 AUTO_WIDTHS = (1, 2, 4, 8, 16, 32)     # the widths the rule tries (up to Sizing.max_width)
 AUTO_MAX = (32, 16, 2)                 # width, topk, draft rounds when not given: the largest the rule picks
-ROOT_SHARE = 8                         # a micro-batch of w rows injects about w / ROOT_SHARE of the root's children
 MARGIN = 0.10                          # a change must promise this much more throughput (measured)
 UNTRIED = 0.25                         # ... and this much when the rule's model is all it has
 EVERY = 8                              # results between decisions
@@ -134,20 +131,7 @@ class Sizing:
 
     @property
     def largest(self) -> Choice:
-        return Choice(self.max_width, self.topk_for(self.max_width), self.max_rounds)
-
-    def topk_for(self, width: int) -> int:
-        """Children per node the draft proposes at this width (a pinned topk: that one): about as many as a
-        micro-batch of that width injects below the root (`k_now` ~4 at width 32 in the GPU regime and on the
-        120 ms clock), at least 4, at most `max_topk`. More children are rarely injected and cost the control
-        plane: the tree's nodes, and with them the whole-column work of every step, grow with topk. Measured
-        (docs/benchmarks.md, "How many children per node"): at width 32, topk 4 against 16 gave the GPU regime
-        8.0 against 8.6 ms between tokens (0.96 against 1.08 ms of control per step) and the 120 ms clock
-        0.79 against 0.71 tokens per step.
-
-            topk_for(32) == 4;  topk_for(64) == 8;  topk_for(256) == 16 (max_topk)
-        """
-        return self.max_topk if self.pin_topk else min(self.max_topk, max(4, width // ROOT_SHARE))
+        return Choice(self.max_width, self.max_topk, self.max_rounds)
 
 
 class Sizer:
@@ -282,7 +266,8 @@ class Sizer:
         widths = [s.max_width] if s.pin_width else sorted({w for w in AUTO_WIDTHS if w <= s.max_width} |
                                                           {s.max_width})
         rounds = [s.max_rounds] if s.pin_rounds else list(range(s.max_rounds, 0, -1))   # ties: more run-ahead
-        out = [Choice(w, s.topk_for(w), r) for w in widths for r in rounds]
+        out = [Choice(w, s.max_topk if s.pin_topk else min(s.max_topk, max(4, w)), r)
+               for w in widths for r in rounds]
         return out if s.pin_width else out + [NONE]
 
     def step(self, requests: int = 1) -> Choice:
@@ -336,7 +321,7 @@ class Sizer:
         draft-bound, not known yet: two draft rounds and a stage step seen, or a pinned width).
 
             S = 4, c(w) = 50 ms (one bucket: flat), hop 0; draft rounds of 16 and 32 rows took 212 and 626 ms
-            (a line through the origin: d(w) = 18.3 w). The start (32, 4, 2): 2 * d(32) = 1171 > 2 * 50, so
+            (a line through the origin: d(w) = 18.3 w). The start (32, 16, 2): 2 * d(32) = 1171 > 2 * 50, so
             it is left; (2, 4, 2): 73 > 50; (2, 4, 1): 36.6 <= 50 -> (2, 4, 1), the widest that keeps up.
         """
         c, choice = self.costs[True], self.choice

@@ -34,18 +34,6 @@ def test_sizing_of_config_values():
     assert not Sizing.of(8, 4, 1).auto
 
 
-def test_topk_follows_the_width_unless_pinned():
-    """About width / 8 children per node (what a micro-batch injects below the root), from 4 up to the
-    largest topk; a topk given is kept at every width."""
-    auto = Sizing.of(0, 0, 0)
-    assert [auto.topk_for(w) for w in (1, 8, 32, 64, 128, 256)] == [4, 4, 4, 8, 16, 16]
-    assert auto.largest == Choice(32, 4, 2)
-    assert {c.topk for c in Sizer(8, auto).candidates() if c.speculates} == {4}
-    pinned = Sizing.of(0, 12, 0)
-    assert pinned.largest == Choice(32, 12, 2) and {pinned.topk_for(w) for w in (1, 32, 256)} == {12}
-    assert Sizing.of(128, 0, 0).largest == Choice(128, 16, 2)
-
-
 def _teach(sizer: Sizer, stage: tuple[float, float], hop: float, draft: tuple[float, float], ctl: float,
            tokens: float, ranks: list[int], injected: int = 4) -> None:
     """Observations as a pipeline with these costs (ms) would give them, speculating."""
@@ -77,16 +65,16 @@ def _gpu(shared: bool = True) -> Sizer:
 def test_the_gpu_profile_rates_by_hand():
     sizer = _gpu()
     # w32 r2: step = max(5 + 0.8 + 0.5 + 1.5 / 8, 2 * (1.5 + 0.16), 1.5) = 6.4875 ms; 0.76 tokens (measured here)
-    assert sizer.rate(Choice(32, 4, 2)) == pytest.approx(0.76 / 6.4875)
+    assert sizer.rate(Choice(32, 16, 2)) == pytest.approx(0.76 / 6.4875)
     # none: one trip of 8 x (5.025 + 0.5) ms per token (no control time seen without speculation yet)
     assert sizer.rate(NONE) == pytest.approx(1 / 44.2)
     # narrower: fewer children per root are injected, the draft's second child is missed more often
-    assert sizer.rate(Choice(4, 4, 2)) < sizer.rate(Choice(32, 4, 2))
+    assert sizer.rate(Choice(4, 4, 2)) < sizer.rate(Choice(32, 16, 2))
 
 
 def test_the_gpu_profile_stays_wide():
     sizer = _gpu()
-    assert sizer.choose() == Choice(32, 4, 2) and not sizer.decided     # not judged before it is measured
+    assert sizer.choose() == Choice(32, 16, 2) and not sizer.decided     # not judged before it is measured
     _pace(sizer, 1 / sizer.rate(sizer.choice))                           # as the model says
     choice = sizer.choose()
     assert sizer.decided and sizer.calibration == pytest.approx(1.0)
@@ -118,7 +106,7 @@ def test_none_is_tried_then_judged_by_its_measured_pace():
     token per 200 ms (the model said 118), against speculation measured at one per 150 ms: back to
     speculating."""
     sizer = Sizer(4, Sizing.of(0, 0, 0))
-    assert sizer.choice == Choice(32, 4, 2)
+    assert sizer.choice == Choice(32, 16, 2)
     _teach(sizer, (28.0, 0.5), 1.0, (112.0, 0.5), 3.0, 0.8, [0] * 80 + [1] * 10 + [-1] * 10)
     _pace(sizer, 150.0, 16)                   # speculating at 150 ms per token
     assert sizer.choose() == NONE and sizer.trying
@@ -146,9 +134,9 @@ def test_where_the_draft_sets_the_pace_fewer_rounds_commit_fewer_tokens():
     sizer = Sizer(4, Sizing.of(0, 0, 0))
     _teach(sizer, (28.0, 0.5), 0.4, (112.0, 0.5), 1.0, 1.7, [0] * 40)
     # step = max(28 + 4 + 0.4 + 1 / 4, 1 * (112 + 4), 1) = 116 ms; tokens = min(1.7 * f(8) / f(32), 1 round)
-    assert sizer.rate(Choice(8, 4, 1)) == pytest.approx(1 / 116.0)
+    assert sizer.rate(Choice(8, 8, 1)) == pytest.approx(1 / 116.0)
     # step = max(28 + 16 + 0.65, 2 * 128, 1) = 256 ms for min(1.7, 2) tokens
-    assert sizer.rate(Choice(32, 4, 2)) == pytest.approx(1.7 / 256.0)
+    assert sizer.rate(Choice(32, 16, 2)) == pytest.approx(1.7 / 256.0)
     _pace(sizer, 150.0, 16)                   # speculating at 150 ms per token
     assert sizer.choose() == NONE
     t = 150.0 * 16
@@ -192,7 +180,7 @@ def test_what_ran_is_judged_by_its_measured_pace():
     50 ms): none it is."""
     sizer = _gpu()
     _pace(sizer, 100.0)
-    assert sizer.measured(Choice(32, 4, 2)) == pytest.approx(0.01)
+    assert sizer.measured(Choice(32, 16, 2)) == pytest.approx(0.01)
     sizer.paces[NONE, 0] = Pace(0.9)
     for _ in range(5):
         sizer.paces[NONE, 0].add(1, 50.0)
@@ -205,8 +193,8 @@ def test_paces_are_kept_by_load_level():
     _pace(sizer, 100.0)                               # one request
     for t in range(60):                               # then eight, whose count dips to seven now and then
         sizer.observe_result(5000.0 + 10.0 * t, 1, requests=7 if t % 4 == 0 else 8)
-    assert sizer.paces[Choice(32, 4, 2), 0].rate == pytest.approx(0.01)
-    assert sizer.measured(Choice(32, 4, 2)) == pytest.approx(0.1, rel=0.05)     # eight's level now
+    assert sizer.paces[Choice(32, 16, 2), 0].rate == pytest.approx(0.01)
+    assert sizer.measured(Choice(32, 16, 2)) == pytest.approx(0.1, rel=0.05)     # eight's level now
 
 
 class Table(Sizer):
@@ -215,7 +203,7 @@ class Table(Sizer):
 
     def __init__(self, expected: dict[Choice, float], measured: set[Choice]) -> None:
         super().__init__(4, Sizing.of(0, 0, 0))
-        self.choice, self.tried = Choice(32, 4, 2), True
+        self.choice, self.tried = Choice(32, 16, 2), True
         self.table, self.seen = expected, measured
 
     def expected(self, choice: Choice, requests: int = 1) -> float:
@@ -230,18 +218,18 @@ class Table(Sizer):
     (1.05, True, False), (1.15, True, True),           # measured: 10%
 ])
 def test_a_change_must_promise_more(gain, measured, moves):
-    now, other = Choice(32, 4, 2), Choice(8, 4, 1)
+    now, other = Choice(32, 16, 2), Choice(8, 8, 1)
     sizer = Table({now: 1.0, other: gain}, {now, other} if measured else {now})
     assert sizer.choose() == (other if moves else now)
 
 
 def test_a_draft_bound_start_is_left_for_the_widest_choice_that_keeps_up():
     """The module's step 0, its docstring's example: stages of 50 ms (one bucket seen: flat), draft rounds of
-    16 and 32 rows that took 212 and 626 ms. After the first result the start (32, 4, 2) is left for
+    16 and 32 rows that took 212 and 626 ms. After the first result the start (32, 16, 2) is left for
     (2, 4, 1) at once, before the rule knows any acceptance; it is not done twice."""
     sizer = Sizer(4, Sizing.of(0, 0, 0))
     sizer.observe_draft(16, 212.0)
-    assert sizer.step() == Choice(32, 4, 2), "one draft round (a warm-up) and no stage step: not known yet"
+    assert sizer.step() == Choice(32, 16, 2), "one draft round (a warm-up) and no stage step: not known yet"
     sizer.observe_stage(43, 50.0)
     sizer.observe_draft(32, 626.0)
     assert sizer.leave_draft_bound_start() == Choice(2, 4, 1)
@@ -252,7 +240,7 @@ def test_a_draft_bound_start_is_left_for_the_widest_choice_that_keeps_up():
 
 def test_a_start_whose_draft_keeps_up_stays_and_a_pinned_width_never_leaves():
     gpu = _gpu()                               # 2 * d(32) = 3.3 ms against c(32) + hop = 6.3 ms
-    assert gpu.leave_draft_bound_start() is None and gpu.step() == Choice(32, 4, 2)
+    assert gpu.leave_draft_bound_start() is None and gpu.step() == Choice(32, 16, 2)
     pinned = Sizer(4, Sizing.of(32, 0, 0))
     pinned.observe_stage(43, 50.0)
     for rows, ms in ((16, 212.0), (32, 626.0)):

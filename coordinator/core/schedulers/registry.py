@@ -25,8 +25,7 @@ class Speculation:
     width: int = option(0, "tree nodes injected per step; 0: the cost rule picks 1..32, or no speculation "
                            "where it cannot pay")                     # measured: docs/benchmarks.md
     tree_policy: str = option("hybrid", choices=TREE_POLICIES)
-    topk: int = option(0, "children the draft proposes per node; 0: width / 8, from 4 up to 16 (the cost "
-                          "rule's width)")
+    topk: int = option(0, "children the draft proposes per node; 0: the cost rule picks up to 16")
     draft_rounds: int = option(0, "specpipe: draft calls per step; each expands the best not-yet-expanded nodes so "
                                   "a micro-batch can span several tree layers (layer policy: 1); 0: the cost rule "
                                   "picks 1 or 2")
