@@ -13,6 +13,8 @@ ids parents-before-children, by (depth, id):
   `select_layer` and `select_best_first` (the candidates: uninjected nodes whose parent is injected).
 - `to_expand(count, ...)`: the draft's run-ahead, the `count` best nodes neither expanded nor asked (the spine's
   tip first with `spine_lead`), below `max_depth` and not carrying a token in `skip`.
+- `select_rows` / `expand_rows`: the same choices as rows, for the scheduler's hot path, which reads them with
+  `TokenTree.segment_of` / `TokenTree.ask` instead of looking each id up again.
 Nothing is pushed onto a heap: `_best` is a partial sort of the score column, then an exact lexsort among the
 survivors (ties at the k-th score included), so a step costs a few whole-column numpy operations.
 
