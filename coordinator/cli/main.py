@@ -213,7 +213,7 @@ async def cmd_run(args: argparse.Namespace) -> int:
         else:
             print()
             print(summary_line(len(ids), last.finish_reason, stats.tokens_per_step, stats.tbt_ms, stats.ttft_ms,
-                               stats.wall_ms / 1e3, stats.sized_width, warmup_s),
+                               stats.wall_ms / 1e3, stats.sized_width, warmup_s, stats.sized_topk),
                   file=sys.stderr, flush=True)
         return 0
     finally:
@@ -223,12 +223,14 @@ async def cmd_run(args: argparse.Namespace) -> int:
 
 
 def summary_line(tokens: int, finish_reason: str, tokens_per_step: float, tbt_ms: float, ttft_ms: float,
-                 wall_s: float, sized_width: float | None = None, warmup_s: float = 0.0) -> str:
+                 wall_s: float, sized_width: float | None = None, warmup_s: float = 0.0,
+                 sized_topk: float | None = None) -> str:
     """The one line `specpipe run` and `specpipe generate` print to stderr after the text (from the final
     stats: mean time between tokens, time to first token, the server's wall time; for specpipe sized by its
-    cost rule, the width it ended at or "no speculation", and the rule's warm-up before the request)."""
+    cost rule, the width (and topk) it ended at or "no speculation", and the rule's warm-up before the request)."""
+    topk = f" topk {int(sized_topk)}" if sized_topk else ""
     rule = "" if sized_width is None else \
-        f", cost rule: {f'width {int(sized_width)}' if sized_width else 'no speculation'}"
+        f", cost rule: {f'width {int(sized_width)}{topk}' if sized_width else 'no speculation'}"
     rule += f" after a {warmup_s:.1f} s warm-up" if warmup_s > 0 else ""
     return (f"[{tokens} tokens ({finish_reason or 'unfinished'}), {tokens_per_step:.2f} tokens/step, "
             f"{tbt_ms:.1f} ms between tokens, first token after {ttft_ms:.0f} ms, {wall_s:.2f} s{rule}]")
@@ -334,7 +336,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         print(flush=True)
         print(summary_line(len(done.token_ids), done.finish_reason, s.tokens_per_step, s.tbt_ms, s.ttft_ms,
-                           s.wall_ms / 1e3, s.counters.get("sized_width")), file=sys.stderr, flush=True)
+                           s.wall_ms / 1e3, s.counters.get("sized_width"), 0.0, s.counters.get("sized_topk")),
+              file=sys.stderr, flush=True)
     return 0
 
 

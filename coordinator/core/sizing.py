@@ -12,7 +12,7 @@ with the estimators of coordinator/core/sizing_estimators.py (`Line`, `Ewma`, `P
     ctl      the coordinator's own time per pipeline step (`charge_control`, measured by the driver)
     hit(k)   the chance that the target's token at a root is among the first k children the draft proposed
              (the rank seen at every verification), and how many children of a root the current width
-             injects (k_now): a width w injects k(w) = k_now * w / w_now of them
+             injects (k_now): a width w injects k(w) = min(k_now * w / w_now, its topk) of them
     E_now    committed tokens per request per result at the current width
 
 The model, one request (`Sizer.rate`):
@@ -46,9 +46,8 @@ What it chooses (`Sizer.step`, after every result; `choose` every max(8, 4 S) re
 1. **Start large, try none**: the largest choice first; once the rule knows enough, unless speculation is
    predicted EXPLORE times as fast as none (merely as fast where the stage times cannot depend on the
    draft: `Sizer(shared=False)`, from `--stage-hardware apart`: the Helm chart's GPU pods, the simulated clock),
-   none is tried (NONE_PACED results, after the S results of
-   micro-batches sent before the switch), to measure what plain
-   pipelining costs here (where stages share cores with the draft, the same stages run much faster alone,
+   none is tried (NONE_PACED results, after the S results of micro-batches sent before the switch), to
+   measure what plain pipelining costs here (where stages share cores with the draft, the same stages run much faster alone,
    which the speculating costs hide).
 2. **Measured where it ran, modelled where not** (`expected`): a choice that has run long enough is judged
    by its measured pace (committed tokens per ms between results: `MicroBatch.arrived_ms`); one that has
@@ -56,6 +55,20 @@ What it chooses (`Sizer.step`, after every result; `choose` every max(8, 4 S) re
    model leaves out, shared cores, lag, refills).
 3. **Hysteresis**: a change must promise MARGIN more than the choice in use, UNTRIED more when only the model
    speaks for it. Ties keep the current choice.
+4. **topk by coverage** (`topk_for`, `Coverage`): a node's children are the draft's top-k proposals, and a rank
+   the target never takes costs the tree a row and the coordinator its top-k lists, but buys nothing. The
+   ranks seen at the roots while the largest topk is in use (uncensored up to it) choose the smallest of
+   4, 8, 16, ... whose first k ranks hold COVER of the target's tokens proposed there; below the largest topk
+   the share of roots whose target was not proposed is watched, and when it exceeds what the ranks said by
+   1 - COVER, the ranks are forgotten and the largest topk measures them again. A topk change is not a
+   change of pace: paces are kept by (width, rounds), and it does not wait for a decision's margin.
+
+       ranks 0..15 seen 72, 15, 6, 3, 2, 1, 1, 0, ... times (100 proposed): the first 4 hold 96% -> topk 4;
+       a flat draft (every rank about as likely) keeps 16.
+
+   Measured (docs/benchmarks.md): the default model's `quant` draft holds 96% of its proposed root tokens in
+   its first 4 (98.8% in 8), and topk 4 commits as much per step as 16 over all 32 shipped prompts, at about
+   three quarters of the control time.
 
 Going to none, running requests finish without draft rounds (what is in flight still commits); coming back,
 they rejoin (coordinator/core/schedulers/specpipe.py, `_resize`). Explicitly given values pin (`Sizing`): a
@@ -70,7 +83,7 @@ from dataclasses import dataclass
 import numpy as np
 
 # the estimators it measures with; Line and Pace are imported from here too (tests/core/test_sizing.py)
-from coordinator.core.sizing_estimators import Costs, Ewma, Line, Pace
+from coordinator.core.sizing_estimators import MIN_TOPK, Costs, Coverage, Ewma, Line, Pace
 
 AUTO_WIDTHS = (1, 2, 4, 8, 16, 32)     # the widths the rule tries (up to Sizing.max_width)
 AUTO_MAX = (32, 16, 2)                 # width, topk, draft rounds when not given: the largest the rule picks
@@ -100,6 +113,11 @@ class Choice:
     @property
     def speculates(self) -> bool:
         return self.width > 0
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(width, rounds): what a pace is kept by (a topk change does not change the pace; rule step 4)."""
+        return self.width, self.rounds
 
 
 NONE = Choice(0, 0, 0)
@@ -153,10 +171,12 @@ class Sizer:
         # fading counts of the target's rank among the proposals (MAX_RANK: not proposed), from a prior of
         # two observations: one spread over the ranks as 1/2, 1/4, ..., one not proposed
         self.ranks = np.append(0.5 ** np.arange(1, MAX_RANK + 1), 1.0)
+        self.coverage = Coverage(sizing.max_topk, MAX_RANK)     # rule step 4
+        self.cover = sizing.max_topk              # the topk coverage allows, as of the last decision
         self.every = max(EVERY, 4 * num_stages)   # results between decisions: a miss costs S of them
         # what each choice committed per ms, as measured, by load (requests held, in powers of two: a pace
         # under 8 clients says nothing of one client's)
-        self.paces: dict[tuple[Choice, int], Pace] = {}
+        self.paces: dict[tuple[tuple[int, int], int], Pace] = {}     # (Choice.shape, load level) -> pace
         self.held = Ewma(0.1)                     # requests held, smoothed (the load level of a pace)
         self.w_seen = sizing.max_width            # the width E_now and k_now were measured at (last speculating)
         self.choice = sizing.largest
@@ -190,7 +210,7 @@ class Sizer:
             self._last = arrived_ms
             return
         if self._last is not None and arrived_ms >= self._last:
-            pace = self.paces.setdefault((self.choice, load(self.held.value)), Pace(1 - 1 / self.every))
+            pace = self.paces.setdefault((self.choice.shape, load(self.held.value)), Pace(1 - 1 / self.every))
             pace.add(tokens, arrived_ms - self._last)
         self._last = arrived_ms
 
@@ -205,9 +225,14 @@ class Sizer:
     def observe_root(self, rank: int, injected: int) -> None:
         """A verification at a root: the target's token was the draft's `rank`-th child (-1: not proposed);
         `injected` of the root's children had gone in."""
+        at = rank if 0 <= rank < MAX_RANK else MAX_RANK
         self.ranks *= 0.995
-        self.ranks[rank if 0 <= rank < MAX_RANK else MAX_RANK] += 1
+        self.ranks[at] += 1
         self.k_now.add(injected)
+        # (a root with no proposal in says nothing of topk)
+        if injected > 0 and not self.sizing.pin_topk and self.choice.speculates and \
+                self.coverage.add(rank, self.choice.topk):
+            self.cover = self.sizing.max_topk     # the ranks moved: measured again (from the next `step`)
 
     def observe_tokens(self, tokens: int) -> None:
         """Tokens one speculating request committed on one result."""
@@ -224,15 +249,20 @@ class Sizer:
         whole = min(int(k), MAX_RANK)
         return float(p[:whole].sum() + (k - whole) * (p[whole] if whole < MAX_RANK else 0.0))
 
-    def _f(self, width: int) -> float:
+    def _f(self, width: int, topk: int) -> float:
         w_now = self.w_seen
-        k = min(max((self.k_now.value or 1.0) * width / w_now, 1.0), float(MAX_RANK))
+        k = min(max((self.k_now.value or 1.0) * width / w_now, 1.0), float(topk), float(MAX_RANK))
         return 1.0 / (1.0 + (1.0 - self.hit(k)) * (self.S - 1))
+
+    def topk_for(self, width: int) -> int:
+        """The topk of a choice of this width: pinned, else min(the largest, max(MIN_TOPK, width), coverage)."""
+        s = self.sizing
+        return s.max_topk if s.pin_topk else min(s.max_topk, max(MIN_TOPK, width), self.cover)
 
     def measured(self, choice: Choice, requests: int = 1) -> float | None:
         """The choice's measured pace at this load, once it has run long enough: speculating, half a decision
         interval (misses come in bursts); none, NONE_PACED results or that half interval if shorter."""
-        pace = self.paces.get((choice, load(self.held.value if self.held.n else requests)))
+        pace = self.paces.get((choice.shape, load(self.held.value if self.held.n else requests)))
         need = self.every // 2 if choice.speculates else min(self.every // 2, NONE_PACED)
         return pace.rate if pace is not None and pace.n >= need else None
 
@@ -258,7 +288,8 @@ class Sizer:
         share = choice.width if n == 1 else min(choice.width, max(1, self.node_budget // n))
         rows = n * share
         step = max(c.stage(rows) + hop + ctl / S, choice.rounds * self.draft(rows), ctl)
-        tokens = min((self.tokens.value or 0.0) * self._f(share) / self._f(self.w_seen), float(choice.rounds))
+        f_now = self._f(self.w_seen, self.choice.topk or self.topk_for(self.w_seen))
+        tokens = min((self.tokens.value or 0.0) * self._f(share, choice.topk) / f_now, float(choice.rounds))
         return n * tokens / max(step, 1e-9)
 
     def candidates(self) -> list[Choice]:
@@ -266,8 +297,7 @@ class Sizer:
         widths = [s.max_width] if s.pin_width else sorted({w for w in AUTO_WIDTHS if w <= s.max_width} |
                                                           {s.max_width})
         rounds = [s.max_rounds] if s.pin_rounds else list(range(s.max_rounds, 0, -1))   # ties: more run-ahead
-        out = [Choice(w, s.max_topk if s.pin_topk else min(s.max_topk, max(4, w)), r)
-               for w in widths for r in rounds]
+        out = [Choice(w, self.topk_for(w), r) for w in widths for r in rounds]
         return out if s.pin_width else out + [NONE]
 
     def step(self, requests: int = 1) -> Choice:
@@ -282,10 +312,13 @@ class Sizer:
                 self._switch(smaller)
                 return self.choice
         trial_done = self.trying and self.measured(NONE, requests) is not None
-        if self._since < self.every and (self.decided or not self.ready) and not trial_done:
-            return self.choice
-        self._since, self.trying = 0, False
-        return self.choose(requests)
+        if self._since >= self.every or (not self.decided and self.ready) or trial_done:
+            self._since, self.trying = 0, False
+            self.choose(requests)
+        topk = self.topk_for(self.choice.width)
+        if self.choice.speculates and self.choice.topk != topk:    # coverage moved (rule step 4): at once
+            self._switch(Choice(self.choice.width, topk, self.choice.rounds))
+        return self.choice
 
     def choose(self, requests: int = 1) -> Choice:
         """The best candidate when it beats the current choice by MARGIN (else the current one). Until none has
@@ -294,6 +327,7 @@ class Sizer:
         with the draft (`shared`; where they cannot, when the model itself does not favour speculation)."""
         if not self.ready or not self.sizing.auto:
             return self.choice
+        self.cover = self.coverage.topk()
         seen = self.measured(self.choice, requests)
         if self.choice.speculates and seen is None:
             return self.choice            # the choice in use is judged (and calibrates the model) once measured
@@ -308,10 +342,13 @@ class Sizer:
                 self._switch(NONE)
                 return self.choice
         def score(c: Choice) -> float:           # a change must promise more: more still if never measured
-            margin = 0.0 if c == self.choice else MARGIN if self.measured(c, requests) is not None else UNTRIED
+            margin = 0.0 if c.shape == self.choice.shape else MARGIN if self.measured(c, requests) is not None \
+                else UNTRIED
             return self.expected(c, requests) / (1 + margin)
 
-        best = max([self.choice] + self.candidates(), key=score)
+        now = self.choice if not self.choice.speculates else \
+            Choice(self.choice.width, self.topk_for(self.choice.width), self.choice.rounds)
+        best = max([now] + self.candidates(), key=score)
         if best != self.choice:
             self._switch(best)
         return self.choice
@@ -338,6 +375,9 @@ class Sizer:
             min((x for x in self.candidates() if x.speculates), key=lambda x: (x.width, x.rounds))
 
     def _switch(self, choice: Choice) -> None:
+        if choice.shape == self.choice.shape:    # topk alone (rule step 4): the same pace goes on
+            self.choice = choice
+            return
         self.choice = choice
         self.w_seen = choice.width or self.w_seen
         self._last = None                         # the next interval straddles the change: not counted

@@ -12,6 +12,11 @@ one sample at a time from the scheduler's events, none with a clock of its own.
   (`rate` = tokens / ms, 0 before any time).
 - `Costs`: what a pipeline step costs in one mode (speculating or not): the stage `Line`, the hop and
   control `Ewma`s; `known` once the stage line has a sample and the hop four.
+- `Coverage(largest)`: the ranks the target's token took among the draft's proposals at the roots, and the
+  smallest topk (4, 8, 16, ...) whose first ranks hold COVER of them (the rule's step 4). Only ranks seen
+  while the largest topk was in use are counted (below it a rank beyond topk reads "not proposed": censored);
+  below it the share not proposed is watched, and when it exceeds what the counts said by 1 - COVER they are
+  forgotten (`add` returns True) and `topk` is the largest until COVER_SEEN ranks are seen again.
 
 Worked example:
 
@@ -19,12 +24,19 @@ Worked example:
     line.coefficients() -> (4.97, 0.026);  line(16) -> 5.39
     pace = Pace(0.5); pace.add(2, 10.0); pace.add(1, 10.0)  # tokens 0.5*2 + 1 = 2, ms 0.5*10 + 10 = 15
     pace.rate -> 0.133 tokens per ms
+    cov = Coverage(16)   # ranks 0, 1, 2, 3, 4, 5, 6 seen 72, 15, 6, 3, 2, 1, 1 times at topk 16
+    cov.topk() -> 4      # (72 + 15 + 6 + 3) / 100 = 0.96 >= COVER; a flat draft keeps 16
 """
 from __future__ import annotations
 
 import math
 
 import numpy as np
+
+COVER = 0.95          # Coverage: the smallest topk whose first ranks hold this share of the proposed ones
+COVER_SEEN = 32       # ... once this many ranks were seen at the largest topk
+MIN_TOPK = 4          # ... from this one up, doubling
+FADE = 0.995          # ranks fade by this much per rank seen
 
 
 class Ewma:
@@ -113,3 +125,39 @@ class Costs:
     def known(self) -> bool:
         return self.stage.known and self.hop.n >= 4
 
+
+
+class Coverage:
+    """Which topk covers the ranks the target takes among the draft's proposals (module docstring)."""
+
+    def __init__(self, largest: int, ranks: int = 64) -> None:
+        self.largest = largest
+        self.full = np.zeros(ranks + 1)           # fading counts by rank at the largest topk; [-1]: not proposed
+        self.unproposed = Ewma(0.05)              # below it: 1 where the target was not proposed
+
+    def add(self, rank: int, topk: int) -> bool:
+        """A root's target had `rank` among the proposals (-1: not among them) under `topk`. True when the
+        ranks have moved (below the largest topk, more go unproposed than the counts allow): forgotten."""
+        if topk >= self.largest:
+            self.full *= FADE
+            self.full[rank if 0 <= rank < len(self.full) - 1 else -1] += 1
+            return False
+        self.unproposed.add(float(rank < 0))
+        total = self.full.sum()
+        expected = 1 - self.full[:topk].sum() / total if total > 0 else 0.0
+        if self.unproposed.n < COVER_SEEN or self.unproposed.value <= expected + (1 - COVER):
+            return False
+        self.full[:] = 0
+        self.unproposed = Ewma(0.05)
+        return True
+
+    def topk(self) -> int:
+        """The smallest of MIN_TOPK, 2 MIN_TOPK, ... whose first ranks hold COVER of those proposed (ranks below
+        the largest); the largest until COVER_SEEN ranks were seen."""
+        proposed = self.full[:self.largest].sum()
+        if self.full.sum() < COVER_SEEN or proposed <= 0:
+            return self.largest
+        k = MIN_TOPK
+        while k < self.largest and self.full[:k].sum() < COVER * proposed:
+            k *= 2
+        return min(k, self.largest)

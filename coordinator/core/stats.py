@@ -88,6 +88,7 @@ class RequestStats:
     result_bytes: float = stat("bytes", True)
     control_ms: float = stat("ms", True)          # the coordinator's own time, shared by the requests running
     sized_width: int | None = stat("rows", False, None)   # the cost rule's last width (0: no speculation)
+    sized_topk: int | None = stat("children", False, None)   # ... and its topk (0: no speculation)
     spec: SpecCounters | None = None
     stages: dict[int, StageCounters] = field(default_factory=dict)
     # the engine's and the front end's, on the wall clock

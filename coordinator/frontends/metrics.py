@@ -74,6 +74,8 @@ CONTROL_PER_STEP = Histogram("specpipe_control_seconds_per_step", "The coordinat
                              "finished request", ["method"], buckets=TBT_BUCKETS)
 SIZED_WIDTH = Gauge("specpipe_sized_width", "specpipe's width as its cost rule had it for the last finished request "
                     "(0: no speculation, plain pipelining; coordinator/core/sizing.py)", ["method"])
+SIZED_TOPK = Gauge("specpipe_sized_topk", "specpipe's topk (children per expanded node) as its cost rule had it for "
+                   "the last finished request (0: no speculation)", ["method"])
 QUEUED = Gauge("specpipe_queued_requests", "Requests waiting in the admission queue")
 ACTIVE = Gauge("specpipe_active_requests", "Requests admitted and running")
 
@@ -149,6 +151,8 @@ class RequestMetrics:
             CONTROL_PER_STEP.labels(self.method).observe(stats.control_ms / stats.batches / 1e3)
         if stats.sized_width is not None:
             SIZED_WIDTH.labels(self.method).set(stats.sized_width)
+        if stats.sized_topk is not None:
+            SIZED_TOPK.labels(self.method).set(stats.sized_topk)
         if stats.steps:
             TOKENS_PER_STEP.labels(self.method).observe(stats.tokens_per_step)
         if stats.decode_steps:

@@ -451,6 +451,33 @@ def test_the_cost_rule_sizes_specpipe_to_the_clock(tiny_model, tiny_hf, profile,
         assert out.tokens == hf_greedy(tiny_hf, prompt, 40)
     assert sizer.choice.speculates is speculates
     assert (out.stats.sized_width > 0) is speculates
+    # the tiny model's int8 draft has the target's token among its first 4 proposals (>= 95%): topk 4
+    assert out.stats.sized_topk == (4 if speculates else 0)
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_the_cost_rule_takes_the_smallest_topk_that_covers_the_targets_ranks(tiny_model, tiny_hf, right):
+    """The GPU-like clock, defaults: a draft that is always right (the target itself) has the target's token at
+    rank 0 of every root, so 4 children cover it and the rule takes topk 4; the int8 draft with its proposals
+    reversed has it at the last ranks and keeps all 16. Every output is the target's greedy output, before and
+    after the change."""
+    from coordinator.core.schedulers.registry import SpecOptions, make_scheduler
+    from helpers.drafts import Reversed, always_right
+    from helpers.reference import hf_greedy, prompts
+    from helpers.shard import make_runners
+    draft = always_right(tiny_model) if right else Reversed(tiny_model)
+    runner = make_runners(tiny_model, 1)[0]
+    sizer, topks = None, []
+    for i, prompt in enumerate(prompts(3, seed=4)):
+        sched = make_scheduler("specpipe", 8, SpecOptions(draft), sizer)
+        sizer = sched.sizer
+        pipe = SimulatedPipeline([runner], (5.0, 0.025), num_stages=8, hop_ms=0.5, draft_time=(1.5, 0.005),
+                                 control_scale=0)
+        out = pipe.run(sched, [Request(f"k{i}", prompt, 40)], draft=draft)[f"k{i}"]
+        assert out.tokens == hf_greedy(tiny_hf, prompt, 40)
+        topks.append(out.stats.sized_topk)
+    assert topks[0] == 16 and topks[-1] == (4 if right else 16), topks
+    assert sizer.choice.speculates and sizer.choice.topk == topks[-1]
 
 
 # -- the control plane's own cost, replayed warm (SimulatedPipeline.replay) -------------------------------------------

@@ -33,7 +33,8 @@ from helpers.wait import wait_until_blocking
 
 ROOT = Path(__file__).resolve().parents[2]
 SUMMARY = re.compile(r"^\[(\d+) tokens \((length|eos|stop)\), [\d.]+ tokens/step, [\d.]+ ms between tokens, "
-                     r"first token after \d+ ms, [\d.]+ s(, cost rule: (width \d+|no speculation)( after a [\d.]+ s warm-up)?)?\]$")
+                     r"first token after \d+ ms, [\d.]+ s(, cost rule: (width \d+( topk \d+)?|no speculation)"
+                     r"( after a [\d.]+ s warm-up)?)?\]$")
 
 
 def add_byte_tokenizer(folder: Path) -> None:
@@ -225,6 +226,8 @@ def test_the_summary_line_names_the_rules_choice_and_its_warm_up_apart():
     assert SUMMARY.match(line) and line.endswith("cost rule: no speculation after a 3.4 s warm-up]"), line
     line = summary_line(35, "eos", 0.25, 87.44, 618.0, 3.59, 8.0)
     assert SUMMARY.match(line) and line.endswith("cost rule: width 8]"), line
+    line = summary_line(35, "eos", 0.25, 87.44, 618.0, 3.59, 32.0, 0.0, 4.0)
+    assert SUMMARY.match(line) and line.endswith("cost rule: width 32 topk 4]"), line
     assert "warm-up" not in summary_line(8, "length", 0.25, 80.0, 400.0, 1.0)
 
 

@@ -3,9 +3,12 @@ rates its model gives, and what it chooses — wide on a GPU-like profile, none 
 the target, measured pace over the model, pinned values kept."""
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from coordinator.core.sizing import EXPLORE, NONE, Choice, Line, Pace, Sizer, Sizing, load
+from coordinator.core.sizing_estimators import Coverage
 
 
 def test_a_line_through_two_buckets():
@@ -181,9 +184,9 @@ def test_what_ran_is_judged_by_its_measured_pace():
     sizer = _gpu()
     _pace(sizer, 100.0)
     assert sizer.measured(Choice(32, 16, 2)) == pytest.approx(0.01)
-    sizer.paces[NONE, 0] = Pace(0.9)
+    sizer.paces[NONE.shape, 0] = Pace(0.9)
     for _ in range(5):
-        sizer.paces[NONE, 0].add(1, 50.0)
+        sizer.paces[NONE.shape, 0].add(1, 50.0)
     assert sizer.choose() == NONE
 
 
@@ -193,7 +196,7 @@ def test_paces_are_kept_by_load_level():
     _pace(sizer, 100.0)                               # one request
     for t in range(60):                               # then eight, whose count dips to seven now and then
         sizer.observe_result(5000.0 + 10.0 * t, 1, requests=7 if t % 4 == 0 else 8)
-    assert sizer.paces[Choice(32, 16, 2), 0].rate == pytest.approx(0.01)
+    assert sizer.paces[Choice(32, 16, 2).shape, 0].rate == pytest.approx(0.01)
     assert sizer.measured(Choice(32, 16, 2)) == pytest.approx(0.1, rel=0.05)     # eight's level now
 
 
@@ -240,7 +243,7 @@ def test_a_draft_bound_start_is_left_for_the_widest_choice_that_keeps_up():
 
 def test_a_start_whose_draft_keeps_up_stays_and_a_pinned_width_never_leaves():
     gpu = _gpu()                               # 2 * d(32) = 3.3 ms against c(32) + hop = 6.3 ms
-    assert gpu.leave_draft_bound_start() is None and gpu.step() == Choice(32, 16, 2)
+    assert gpu.leave_draft_bound_start() is None and gpu.step().shape == (32, 2)    # (topk by coverage: 4)
     pinned = Sizer(4, Sizing.of(32, 0, 0))
     pinned.observe_stage(43, 50.0)
     for rows, ms in ((16, 212.0), (32, 626.0)):
@@ -275,3 +278,86 @@ def test_a_speculating_choice_measured_slow_before_the_trial_of_none_keeps_its_c
         sizer.observe_result(t, 1)
         choice = sizer.step()
     assert not sizer.trying and choice == NONE and sizer.choose() == NONE
+
+
+# -- topk by coverage (rule step 4) ---------------------------------------------------------------------
+def _ranks(counts: list[int]) -> list[int]:
+    """Ranks as seen at roots: counts[r] times rank r (the last entry: not proposed, -1)."""
+    *proposed, unproposed = counts
+    ranks = [r for r, n in enumerate(proposed) for _ in range(n)] + [-1] * unproposed
+    random.Random(0).shuffle(ranks)                   # (in time order the oldest fade most)
+    return ranks
+
+
+def _covered(counts: list[int]) -> Sizer:
+    """The GPU profile whose roots showed these ranks at the largest topk, its width 32 measured as modelled."""
+    sizer = Sizer(8, Sizing.of(0, 0, 0))
+    _teach(sizer, (5.0, 0.025), 0.5, (1.5, 0.005), 1.5, 0.76, _ranks(counts), injected=9)
+    _pace(sizer, 1 / sizer.rate(sizer.choice))
+    return sizer
+
+
+@pytest.mark.parametrize("counts, topk", [
+    ([72, 15, 6, 3, 2, 1, 1, 0], 4),                 # the module's example: the first 4 hold 96 of 100
+    ([60, 20, 8, 4, 3, 2, 2, 1, 3], 8),              # 92 of 100 in 4, 99 in 8 (3 not proposed: not counted)
+    ([2] * 16 + [0], 16),                             # a flat draft: 25% in 4, 50% in 8
+])
+def test_topk_is_the_smallest_that_covers_the_proposed_ranks(counts, topk):
+    sizer = _covered(counts)
+    assert sizer.step().topk == topk and sizer.choice.shape == (32, 2)
+    assert {c.topk for c in sizer.candidates() if c.width >= topk} == {topk}
+    assert all(c.topk <= max(4, c.width) for c in sizer.candidates() if c.speculates)
+
+
+def test_a_topk_change_keeps_the_pace_and_its_measurement():
+    """topk 16 -> 4 at the first decision: the same (width, rounds), its pace measured on as before, no results
+    skipped (a width change skips the S results of micro-batches sent before it)."""
+    sizer = _covered([72, 15, 6, 3, 2, 1, 1, 0])
+    before = sizer.measured(sizer.choice)
+    assert sizer.step() == Choice(32, 4, 2) and sizer.measured(sizer.choice) == before and sizer._skip == 0
+
+
+def test_coverage_waits_for_enough_ranks_and_a_pinned_topk_never_moves():
+    few = _covered([20, 0])                            # 20 < COVER_SEEN ranks: the largest topk still
+    assert few.step().topk == 16
+    pinned = Sizer(8, Sizing.of(0, 16, 0))
+    _teach(pinned, (5.0, 0.025), 0.5, (1.5, 0.005), 1.5, 0.76, [0] * 100, injected=9)
+    _pace(pinned, 1 / pinned.rate(pinned.choice))
+    assert pinned.step().topk == 16 and pinned.coverage.full.sum() == 0
+
+
+def test_ranks_below_the_largest_topk_are_censored_and_a_shift_measures_them_again():
+    """At topk 4 a root whose target was not proposed may have had it at rank 4..15: such ranks do not enter
+    the coverage counts. The counts said 4% are not in the first 4; when a quarter of the roots go unproposed
+    (> 4% + 5%), the counts are forgotten and topk 16 measures them again, at once."""
+    sizer = _covered([72, 15, 6, 3, 2, 1, 1, 0])
+    assert sizer.step().topk == 4
+    full = sizer.coverage.full.copy()
+    for i in range(31):                                # COVER_SEEN - 1 censored ranks: not judged yet
+        sizer.observe_root(-1 if i % 4 == 0 else 0, 4)
+    assert (sizer.coverage.full == full).all() and sizer.step().topk == 4
+    sizer.observe_root(-1, 4)
+    assert sizer.coverage.full.sum() == 0 and sizer.step() == Choice(32, 16, 2)
+    for rank in _ranks([2] * 16 + [0]):                # now flat: 16 stays at the next decision
+        sizer.observe_root(rank, 16)
+    assert sizer.choose().topk == 16 and sizer.step().topk == 16
+
+
+def test_coverage_by_hand():
+    """The estimator's docstring example, in time order (fading: the ranks seen last weigh most)."""
+    cov = Coverage(16)
+    for rank in _ranks([72, 15, 6, 3, 2, 1, 1, 0]):
+        assert not cov.add(rank, 16)
+    assert cov.topk() == 4
+    cov.add(-1, 16)                                    # not proposed at 16: outside what topk can cover
+    assert cov.topk() == 4 and cov.full[-1] == 1.0
+    small = Coverage(4)                                # the largest is 4: nothing smaller to choose
+    for _ in range(40):
+        small.add(0, 4)
+    assert small.topk() == 4
+
+
+def test_a_root_with_no_proposal_in_says_nothing_of_topk():
+    sizer = Sizer(8, Sizing.of(0, 0, 0))
+    sizer.observe_root(-1, 0)                          # a root never expanded (after a miss): no children
+    assert sizer.coverage.full.sum() == 0 and sizer.ranks[-1] > 1.0

@@ -28,6 +28,18 @@ class AlwaysWrong(ModelDraft):
                 for r in super().expand_many(jobs, k + 1)]
 
 
+class Reversed(ModelDraft):
+    """The target's int8 copy with each node's proposals in reverse order: its likeliest last, so the target's
+    token sits at the last ranks of any topk (what the cost rule's coverage must not cut)."""
+
+    def __init__(self, model_path) -> None:
+        super().__init__(quantized_copy(str(model_path)), name="reversed")
+
+    def expand_many(self, jobs: list[tuple[str, list[DraftNode]]], k: int) -> list[Proposals | Exception]:
+        return [r if isinstance(r, Exception) else [props[::-1] for props in r]
+                for r in super().expand_many(jobs, k)]
+
+
 def make_draft(kind: str, target, draft_model) -> DraftSource:
     """A draft for `target`: `quant` (its int8 copy), `ngram`, `model` (the separate `draft_model`),
     `right` (the target itself) or `wrong` (the target minus its top choice)."""

@@ -192,7 +192,8 @@ class SpecPipeScheduler(DraftBeside, BatchingScheduler):
         self.miss_batch.pop(request_id, None)
         self.begun.discard(request_id)           # the draft may hold it (begun) or have had a commit for it: release
         if self.sizer is not None:        # the cost rule's last choice for it (0: no speculation)
-            state.stats.sized_width = 0 if request_id in self.plain else self.width
+            plain = request_id in self.plain
+            state.stats.sized_width, state.stats.sized_topk = (0, 0) if plain else (self.width, self.topk)
         self.plain.discard(request_id)
         self.draft_ops.append(DraftOp(OpKind.RELEASE, request_id))
         super()._finish(state, reason, error, error_code)
