@@ -211,7 +211,9 @@ def summarize(variant: Variant, stages: int, runs: list[dict], stage_time: tuple
             "result_bytes_per_step": sum(r.get("result_bytes", 0.0) for r in runs) / batches,
             "compute_overrun_stages": flagged, "compute_ms_per_step": per_step, "machine_bound": machine_bound,
             "machine_cores": cores, **per_step_costs(runs),
-            "sized_widths": [int(r["sized_width"]) for r in runs if "sized_width" in r]}   # the cost rule's (0: none)
+            # the cost rule's last width and topk per request (0: none)
+            "sized_widths": [int(r["sized_width"]) for r in runs if "sized_width" in r],
+            "sized_topks": [int(r["sized_topk"]) for r in runs if "sized_topk" in r]}
 
 
 def per_step_costs(runs: list[dict]) -> dict[str, float | None]:

@@ -47,8 +47,8 @@ What it chooses (`Sizer.step`, after every result; `choose` every max(8, 4 S) re
    predicted EXPLORE times as fast as none (merely as fast where the stage times cannot depend on the
    draft: `Sizer(shared=False)`, from `--stage-hardware apart`: the Helm chart's GPU pods, the simulated clock),
    none is tried (NONE_PACED results, after the S results of micro-batches sent before the switch), to
-   measure what plain pipelining costs here (where stages share cores with the draft, the same stages run much faster alone,
-   which the speculating costs hide).
+   measure what plain pipelining costs here (where stages share cores with the draft, the same stages run
+   much faster alone, which the speculating costs hide).
 2. **Measured where it ran, modelled where not** (`expected`): a choice that has run long enough is judged
    by its measured pace (committed tokens per ms between results: `MicroBatch.arrived_ms`); one that has
    not, by the model, scaled by how the choice in use fares against its own model (`calibration`: what the

@@ -376,6 +376,9 @@ def test_simulated_bench_reports_the_replayed_control_time(tiny_model8, tmp_path
     for method in ("pp", "specpipe"):
         assert rows[method]["control_warm_ms_per_step_p50"] > 0 and rows[method]["control_ms_per_step_p50"] > 0
     assert rows["sps"]["control_warm_ms_per_step_p50"] is None
+    # the cost rule's last choice per request: width 4 pinned, topk min(16, max(4, width)) = 4; none for pp
+    assert (rows["specpipe"]["sized_widths"], rows["specpipe"]["sized_topks"]) == ([4], [4])
+    assert (rows["pp"]["sized_widths"], rows["pp"]["sized_topks"]) == ([], [])
 
 
 # -- real runs: machine-bound --------------------------------------------------------------------------------------
