@@ -47,7 +47,8 @@ BLOCK_TIMEOUT_S = 300.0
 MARKER = re.compile(r"^<!--\s*readme-test:\s*(?P<kind>\S+?)\s*-->\s*$")
 FENCE = re.compile(r"^```(?P<lang>[\w-]*)\s*$")
 SUMMARY = (r"^\[\d+ tokens \((length|eos|stop)\), \d+\.\d\d tokens/step, \d+\.\d ms between tokens, "
-           r"first token after \d+ ms, \d+\.\d\d s(, cost rule: (width \d+|no speculation)( after a \d+\.\d s warm-up)?)?\]$")
+           r"first token after \d+ ms, \d+\.\d\d s(, cost rule: (width \d+( topk \d+)?|no speculation)"
+           r"( after a \d+\.\d s warm-up)?)?\]$")
 
 
 @dataclass(frozen=True)
