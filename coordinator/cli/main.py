@@ -213,7 +213,7 @@ async def cmd_run(args: argparse.Namespace) -> int:
         else:
             print()
             print(summary_line(len(ids), last.finish_reason, stats.tokens_per_step, stats.tbt_ms, stats.ttft_ms,
-                               stats.wall_ms / 1e3, stats.sized_width, warmup_s, stats.sized_topk),
+                               stats.wall_ms / 1e3, stats.sized_width, warmup_s, sized_topk=stats.sized_topk),
                   file=sys.stderr, flush=True)
         return 0
     finally:
@@ -336,7 +336,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         print(flush=True)
         print(summary_line(len(done.token_ids), done.finish_reason, s.tokens_per_step, s.tbt_ms, s.ttft_ms,
-                           s.wall_ms / 1e3, s.counters.get("sized_width"), 0.0, s.counters.get("sized_topk")),
+                           s.wall_ms / 1e3, s.counters.get("sized_width"), sized_topk=s.counters.get("sized_topk")),
               file=sys.stderr, flush=True)
     return 0
 

@@ -225,9 +225,8 @@ class Sizer:
     def observe_root(self, rank: int, injected: int) -> None:
         """A verification at a root: the target's token was the draft's `rank`-th child (-1: not proposed);
         `injected` of the root's children had gone in."""
-        at = rank if 0 <= rank < MAX_RANK else MAX_RANK
         self.ranks *= 0.995
-        self.ranks[at] += 1
+        self.ranks[rank if 0 <= rank < MAX_RANK else MAX_RANK] += 1
         self.k_now.add(injected)
         # (a root with no proposal in says nothing of topk)
         if injected > 0 and not self.sizing.pin_topk and self.choice.speculates and \

@@ -24,8 +24,8 @@ Worked example:
     line.coefficients() -> (4.97, 0.026);  line(16) -> 5.39
     pace = Pace(0.5); pace.add(2, 10.0); pace.add(1, 10.0)  # tokens 0.5*2 + 1 = 2, ms 0.5*10 + 10 = 15
     pace.rate -> 0.133 tokens per ms
-    cov = Coverage(16)   # ranks 0, 1, 2, 3, 4, 5, 6 seen 72, 15, 6, 3, 2, 1, 1 times at topk 16
-    cov.topk() -> 4      # (72 + 15 + 6 + 3) / 100 = 0.96 >= COVER; a flat draft keeps 16
+    cov = Coverage(16)   # ranks 0, 1, 2, 3, 4, 5, 6 seen 72, 15, 6, 3, 2, 1, 1 times at topk 16, mixed in time
+    cov.topk() -> 4      # (72 + 15 + 6 + 3) / 100 = 0.96 >= COVER (fading aside); a flat draft keeps 16
 """
 from __future__ import annotations
 
@@ -124,7 +124,6 @@ class Costs:
     @property
     def known(self) -> bool:
         return self.stage.known and self.hop.n >= 4
-
 
 
 class Coverage:
