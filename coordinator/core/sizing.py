@@ -57,11 +57,14 @@ What it chooses (`Sizer.step`, after every result; `choose` every max(8, 4 S) re
    speaks for it. Ties keep the current choice.
 4. **topk by coverage** (`topk_for`, `Coverage`): a node's children are the draft's top-k proposals, and a rank
    the target never takes costs the tree a row and the coordinator its top-k lists, but buys nothing. The
-   ranks seen at the roots while the largest topk is in use (uncensored up to it) choose the smallest of
-   4, 8, 16, ... whose first k ranks hold COVER of the target's tokens proposed there; below the largest topk
-   the share of roots whose target was not proposed is watched, and when it exceeds what the ranks said by
-   1 - COVER, the ranks are forgotten and the largest topk measures them again. A topk change is not a
-   change of pace: paces are kept by (width, rounds), and it does not wait for a decision's margin.
+   ranks seen at the roots choose the smallest of 4, 8, 16, ... whose first k ranks hold COVER of the
+   target's tokens the largest topk proposes. Below the largest a rank beyond topk reads "not proposed": the
+   ranks are a survival estimate under that censoring (Kaplan-Meier, `Coverage`), counted at every topk, and
+   the topk in use is kept until it holds less than COVER by HOLD_Z standard errors. A draft that gets worse
+   under a small topk leaves more roots unproposed, which lowers that topk's coverage until a larger one is
+   chosen; more unproposed than the counts allow (what lies beyond the topk in use is not seen) by SHIFT_Z
+   standard deviations is a shift: the counts are forgotten and the largest topk measures again. A topk
+   change is not a change of pace: paces are kept by (width, rounds), and it does not wait for a decision.
 
        ranks 0..15 seen 72, 15, 6, 3, 2, 1, 1, 0, ... times (100 proposed): the first 4 hold 96% -> topk 4;
        a flat draft (every rank about as likely) keeps 16.
@@ -231,7 +234,7 @@ class Sizer:
         # (a root with no proposal in says nothing of topk)
         if injected > 0 and not self.sizing.pin_topk and self.choice.speculates and \
                 self.coverage.add(rank, self.choice.topk):
-            self.cover = self.sizing.max_topk     # the ranks moved: measured again (from the next `step`)
+            self.cover = self.sizing.max_topk     # a shift: measured again (from the next `step`)
 
     def observe_tokens(self, tokens: int) -> None:
         """Tokens one speculating request committed on one result."""
@@ -326,7 +329,7 @@ class Sizer:
         with the draft (`shared`; where they cannot, when the model itself does not favour speculation)."""
         if not self.ready or not self.sizing.auto:
             return self.choice
-        self.cover = self.coverage.topk()
+        self.cover = self.coverage.topk(self.cover)
         seen = self.measured(self.choice, requests)
         if self.choice.speculates and seen is None:
             return self.choice            # the choice in use is judged (and calibrates the model) once measured

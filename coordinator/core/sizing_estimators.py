@@ -13,10 +13,14 @@ one sample at a time from the scheduler's events, none with a clock of its own.
 - `Costs`: what a pipeline step costs in one mode (speculating or not): the stage `Line`, the hop and
   control `Ewma`s; `known` once the stage line has a sample and the hop four.
 - `Coverage(largest)`: the ranks the target's token took among the draft's proposals at the roots, and the
-  smallest topk (4, 8, 16, ...) whose first ranks hold COVER of them (the rule's step 4). Only ranks seen
-  while the largest topk was in use are counted (below it a rank beyond topk reads "not proposed": censored);
-  below it the share not proposed is watched, and when it exceeds what the counts said by 1 - COVER they are
-  forgotten (`add` returns True) and `topk` is the largest until COVER_SEEN ranks are seen again.
+  smallest topk (4, 8, 16, ...) whose first ranks hold COVER of those the largest topk proposes (the rule's
+  step 4). Under a topk below the largest a rank beyond it reads "not proposed": the counts are a survival
+  estimate under that censoring (Kaplan-Meier), so every root counts at any topk, and a topk can come down
+  from 8 to 4 without measuring at 16 again. The topk in use is kept until its coverage is below COVER by
+  HOLD_Z standard errors. What lies beyond the topk in use cannot be seen, so below the largest the roots
+  left unproposed are also checked against what the counts allow (S(topk), and 1 - COVER more): more than
+  that by SHIFT_Z standard deviations of a binomial count is a shift, the counts are forgotten (`add`
+  returns True) and the largest topk measures them again (COVER_SEEN roots).
 
 Worked example:
 
@@ -25,7 +29,7 @@ Worked example:
     pace = Pace(0.5); pace.add(2, 10.0); pace.add(1, 10.0)  # tokens 0.5*2 + 1 = 2, ms 0.5*10 + 10 = 15
     pace.rate -> 0.133 tokens per ms
     cov = Coverage(16)   # ranks 0, 1, 2, 3, 4, 5, 6 seen 72, 15, 6, 3, 2, 1, 1 times at topk 16, mixed in time
-    cov.topk() -> 4      # (72 + 15 + 6 + 3) / 100 = 0.96 >= COVER (fading aside); a flat draft keeps 16
+    cov.topk(16) -> 4    # (72 + 15 + 6 + 3) / 100 = 0.96 >= COVER (fading aside); a flat draft keeps 16
 """
 from __future__ import annotations
 
@@ -34,9 +38,12 @@ import math
 import numpy as np
 
 COVER = 0.95          # Coverage: the smallest topk whose first ranks hold this share of the proposed ones
-COVER_SEEN = 32       # ... once this many ranks were seen at the largest topk
+COVER_SEEN = 32       # ... once this many roots were counted (and below the largest, before a shift)
 MIN_TOPK = 4          # ... from this one up, doubling
-FADE = 0.995          # ranks fade by this much per rank seen
+FADE = 0.995          # rank counts fade by this much per root that could see them
+FADE_BELOW = 0.99     # below the largest topk, unproposed roots and what the counts allow of them fade by this
+SHIFT_Z = 3.0         # ... and a shift is this many standard deviations more unproposed than allowed
+HOLD_Z = 2.0          # ... the topk in use is kept until its ranks hold COVER less this many standard errors
 
 
 class Ewma:
@@ -127,36 +134,78 @@ class Costs:
 
 
 class Coverage:
-    """Which topk covers the ranks the target takes among the draft's proposals (module docstring)."""
+    """Which topk covers the ranks the target takes among the draft's proposals (module docstring).
+
+    A discrete survival estimate under censoring (Kaplan-Meier): at a root under topk k, ranks 0..k-1 can be
+    seen and "not proposed" only says rank >= k. `hits[r]` counts roots whose target took rank r, `risk[r]`
+    those at which rank r could be seen and had not been taken before it; rank r's hazard is hits / risk, and
+    P(rank >= k) = S(k) = prod over r < k of (1 - hazard). Counts fade only where a root could see them, so
+    ranks beyond the topk in use keep what was last seen of them.
+
+        topk 16, 100 roots: ranks 0..6 taken 72, 15, 6, 3, 2, 1, 1 times -> S(4) = 0.04, S(16) = 0,
+        coverage(4) = (1 - S(4)) / (1 - S(16)) = 0.96 -> topk 4
+        then at topk 4 a quarter of the roots go unproposed: S(4) climbs towards 0.25, coverage(4) falls
+        below COVER by more than HOLD_Z standard errors (0.044 at 100 roots), and the ranks last seen beyond 4
+        (all by rank 6) make it 8
+    """
 
     def __init__(self, largest: int, ranks: int = 64) -> None:
-        self.largest = largest
-        self.full = np.zeros(ranks + 1)           # fading counts by rank at the largest topk; [-1]: not proposed
-        self.unproposed = Ewma(0.05)              # below it: 1 where the target was not proposed
+        self.largest = min(largest, ranks)
+        self.hits = np.zeros(self.largest)        # fading, by rank: roots whose target took it
+        self.risk = np.zeros(self.largest)        # fading, by rank: roots that could see it, not taken before
+        self.below = np.zeros(3)                  # below the largest, fading: unproposed, allowed, variance
+        self.below_seen = 0                       # ... roots seen below it since the counts were last forgotten
 
     def add(self, rank: int, topk: int) -> bool:
-        """A root's target had `rank` among the proposals (-1: not among them) under `topk`. True when the
-        ranks have moved (below the largest topk, more go unproposed than the counts allow): forgotten."""
-        if topk >= self.largest:
-            self.full *= FADE
-            self.full[rank if 0 <= rank < len(self.full) - 1 else -1] += 1
-            return False
-        self.unproposed.add(float(rank < 0))
-        total = self.full.sum()
-        expected = 1 - self.full[:topk].sum() / total if total > 0 else 0.0
-        if self.unproposed.n < COVER_SEEN or self.unproposed.value <= expected + (1 - COVER):
-            return False
-        self.full[:] = 0
-        self.unproposed = Ewma(0.05)
-        return True
+        """A root's target had `rank` among the proposals under `topk` (-1 or >= topk: not among them). True
+        when, below the largest, more roots go unproposed than the counts allow (a shift): forgotten."""
+        seen = min(topk, self.largest)
+        if seen < self.largest and self._shifted(rank < 0 or rank >= seen, seen):
+            self.hits[:], self.risk[:], self.below[:], self.below_seen = 0, 0, 0, 0
+            return True
+        self.hits[:seen] *= FADE
+        self.risk[:seen] *= FADE
+        if 0 <= rank < seen:
+            self.hits[rank] += 1
+            self.risk[:rank + 1] += 1
+        else:
+            self.risk[:seen] += 1
+        return False
 
-    def topk(self) -> int:
-        """The smallest of MIN_TOPK, 2 MIN_TOPK, ... whose first ranks hold COVER of those proposed (ranks below
-        the largest); the largest until COVER_SEEN ranks were seen."""
-        proposed = self.full[:self.largest].sum()
-        if self.full.sum() < COVER_SEEN or proposed <= 0:
+    def _shifted(self, unproposed: bool, topk: int) -> bool:
+        """The ranks beyond topk cannot be seen below the largest, so what was last seen of them may be stale:
+        a shift is more roots unproposed than the counts expect (S(topk)) and 1 - COVER more, by SHIFT_Z
+        standard deviations of a binomial count (fading by FADE_BELOW)."""
+        q = min(self.survival(topk) + 1 - COVER, 1.0)
+        self.below *= FADE_BELOW
+        self.below += (float(unproposed), q, q * (1 - q))
+        self.below_seen += 1
+        excess = self.below[0] - self.below[1]
+        return self.below_seen >= COVER_SEEN and excess > SHIFT_Z * math.sqrt(self.below[2])
+
+    def survival(self, k: int) -> float:
+        """S(k): the share of roots whose target is not among the first k ranks (1.0 before any root)."""
+        hazard = np.divide(self.hits[:k], self.risk[:k], out=np.zeros(k), where=self.risk[:k] > 0)
+        return float(np.prod(1 - hazard))
+
+    def covered(self, k: int) -> float:
+        """The share of the target's tokens proposed at the largest topk that the first k ranks hold."""
+        proposed = 1 - self.survival(self.largest)
+        return (1 - self.survival(min(k, self.largest))) / proposed if proposed > 0 else 0.0
+
+    def topk(self, current: int) -> int:
+        """The smallest of MIN_TOPK, 2 MIN_TOPK, ... whose first ranks hold COVER of those proposed; the one in
+        use is kept until it holds less than COVER by HOLD_Z standard errors (chance does not move it); the
+        largest until COVER_SEEN roots were seen."""
+        roots = self.risk[0]
+        if roots < COVER_SEEN:
             return self.largest
+        if current < self.largest:
+            held = self.covered(current)
+            if held >= COVER - HOLD_Z * math.sqrt(COVER * (1 - COVER) / roots):
+                smaller = current // 2
+                return smaller if smaller >= MIN_TOPK and self.covered(smaller) >= COVER else current
         k = MIN_TOPK
-        while k < self.largest and self.full[:k].sum() < COVER * proposed:
+        while k < self.largest and self.covered(k) < COVER:
             k *= 2
         return min(k, self.largest)

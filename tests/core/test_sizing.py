@@ -3,12 +3,14 @@ rates its model gives, and what it chooses — wide on a GPU-like profile, none 
 the target, measured pace over the model, pinned values kept."""
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
 from coordinator.core.sizing import EXPLORE, NONE, Choice, Line, Pace, Sizer, Sizing, load
-from coordinator.core.sizing_estimators import Coverage
+from coordinator.core import sizing_estimators
+from coordinator.core.sizing_estimators import COVER, HOLD_Z, Coverage
 
 
 def test_a_line_through_two_buckets():
@@ -323,41 +325,82 @@ def test_coverage_waits_for_enough_ranks_and_a_pinned_topk_never_moves():
     pinned = Sizer(8, Sizing.of(0, 16, 0))
     _teach(pinned, (5.0, 0.025), 0.5, (1.5, 0.005), 1.5, 0.76, [0] * 100, injected=9)
     _pace(pinned, 1 / pinned.rate(pinned.choice))
-    assert pinned.step().topk == 16 and pinned.coverage.full.sum() == 0
+    assert pinned.step().topk == 16 and pinned.coverage.risk.sum() == 0
 
 
-def test_ranks_below_the_largest_topk_are_censored_and_a_shift_measures_them_again():
-    """At topk 4 a root whose target was not proposed may have had it at rank 4..15: such ranks do not enter
-    the coverage counts. The counts said 4% are not in the first 4; when a quarter of the roots go unproposed
-    (> 4% + 5%), the counts are forgotten and topk 16 measures them again, at once."""
+def test_a_draft_that_gets_worse_under_a_small_topk_moves_it_up():
+    """At topk 4 an unproposed root says only "rank >= 4" (censored) and still counts. The counts said 4% lie
+    beyond the first 4; when a quarter of the roots take ranks 4..7, topk 4's coverage falls below COVER by
+    more than HOLD_Z standard errors and the next decision takes 8, where those ranks are seen. When half the
+    roots go beyond 8, which was last seen empty, that is a shift: the counts are forgotten and 16 measures
+    them again."""
     sizer = _covered([72, 15, 6, 3, 2, 1, 1, 0])
     assert sizer.step().topk == 4
-    full = sizer.coverage.full.copy()
-    for i in range(31):                                # COVER_SEEN - 1 censored ranks: not judged yet
+    for i in range(48):
         sizer.observe_root(-1 if i % 4 == 0 else 0, 4)
-    assert (sizer.coverage.full == full).all() and sizer.step().topk == 4
-    sizer.observe_root(-1, 4)
-    assert sizer.coverage.full.sum() == 0 and sizer.step() == Choice(32, 16, 2)
-    for rank in _ranks([2] * 16 + [0]):                # now flat: 16 stays at the next decision
-        sizer.observe_root(rank, 16)
-    assert sizer.choose().topk == 16 and sizer.step().topk == 16
+    assert sizer.coverage.covered(4) < COVER - HOLD_Z * (COVER * (1 - COVER) / sizer.coverage.risk[0]) ** 0.5
+    assert sizer.choose().topk == 8 and sizer.step() == Choice(32, 8, 2)
+    for i in range(32):
+        sizer.observe_root(4 + i % 4 if i % 4 == 0 else 0, 8)
+    assert sizer.choose().topk == 8 and sizer.coverage.covered(4) < 0.9
+    shifted = [sizer.coverage.risk.sum() > 0]
+    for rank in _ranks([2] * 8 + [16]):                # flat within 8, half the roots beyond it
+        sizer.observe_root(rank if rank < 8 else -1, sizer.choice.topk)
+        shifted.append(sizer.coverage.risk.sum() > 0)
+        sizer.step()
+    assert False in shifted and sizer.choice.topk == 16
+    assert sizer.choose().topk == 16
 
 
-def test_coverage_by_hand():
-    """The estimator's docstring example, in time order (fading: the ranks seen last weigh most)."""
+@pytest.mark.parametrize("rate, held", [(0.04, 4), (0.25, 8)])
+def test_chance_does_not_move_the_topk(rate, held):
+    """2,000 roots (seeded draws, a decision every 32) whose target takes rank 0, or at `rate` one of ranks 4..7
+    (at topk 4: not proposed). At the rate the counts expect (4%) topk stays 4 at every decision; a quarter
+    takes it to 8 by the second decision and it stays there; neither is a shift (ranks beyond 8 never
+    come). (The check that came before, an EWMA over ~20 roots with a 5-point margin, fired on such noise
+    several times a prompt and measured again at 16 each time.)"""
+    draws, cov = random.Random(1), Coverage(16)
+    for rank in _ranks([72, 15, 6, 3, 2, 1, 1, 0]):
+        cov.add(rank, 16)
+    topk, chosen = cov.topk(16), []
+    assert topk == 4
+    for i in range(2000):
+        rank = 4 + draws.randrange(4) if draws.random() < rate else 0
+        assert not cov.add(rank if rank < topk else -1, topk)
+        if i % 32 == 31:
+            topk = cov.topk(topk)
+            chosen.append(topk)
+    assert set(chosen[1:]) == {held}
+
+
+def test_coverage_by_hand(monkeypatch):
+    """Kaplan-Meier by hand, with no fading. 100 roots at topk 16, ranks 0..6 taken 94 / 0 / 0 / 0 / 6 / 0 / 0
+    times: the first 4 hold 94% (under COVER, above it less 2 standard errors, 0.906): from 16 the rule
+    takes 8, at 4 it holds 4, at 8 it keeps 8. Then the docstring's case: ranks 0..6 taken 72, 15, 6, 3, 2, 1, 1 times at 16, S(4) =
+    4 / 100, and 50 roots at topk 4 of which 10 unproposed: hazards 112/150, 15/38, 6/23, 3/17, so S(4) =
+    14 / 150 and topk 4 holds 0.907 < 0.914 (2 standard errors at 150 roots; the ranks beyond 4 were all
+    within 7): 8."""
+    monkeypatch.setattr(sizing_estimators, "FADE", 1.0)
+    monkeypatch.setattr(sizing_estimators, "SHIFT_Z", math.inf)      # (the shift check: tests above)
+    edge = Coverage(16)
+    for rank in [0] * 94 + [4] * 6:
+        edge.add(rank, 16)
+    assert edge.covered(4) == pytest.approx(0.94) and edge.covered(8) == pytest.approx(1.0)
+    assert (edge.topk(16), edge.topk(4), edge.topk(8)) == (8, 4, 8)
     cov = Coverage(16)
     for rank in _ranks([72, 15, 6, 3, 2, 1, 1, 0]):
-        assert not cov.add(rank, 16)
-    assert cov.topk() == 4
-    cov.add(-1, 16)                                    # not proposed at 16: outside what topk can cover
-    assert cov.topk() == 4 and cov.full[-1] == 1.0
+        cov.add(rank, 16)
+    assert cov.covered(4) == pytest.approx(0.96) and cov.topk(16) == 4
+    for rank in [0] * 40 + [-1] * 10:
+        cov.add(rank, 4)
+    assert cov.covered(4) == pytest.approx(1 - 14 / 150) and cov.topk(4) == 8
     small = Coverage(4)                                # the largest is 4: nothing smaller to choose
     for _ in range(40):
         small.add(0, 4)
-    assert small.topk() == 4
+    assert small.topk(4) == 4
 
 
 def test_a_root_with_no_proposal_in_says_nothing_of_topk():
     sizer = Sizer(8, Sizing.of(0, 0, 0))
     sizer.observe_root(-1, 0)                          # a root never expanded (after a miss): no children
-    assert sizer.coverage.full.sum() == 0 and sizer.ranks[-1] > 1.0
+    assert sizer.coverage.risk.sum() == 0 and sizer.ranks[-1] > 1.0
