@@ -37,7 +37,7 @@ import math
 
 import numpy as np
 
-COVER = 0.95          # Coverage: the smallest topk whose first ranks hold this share of the proposed ones
+COVER = 0.90          # Coverage: the smallest topk whose first ranks hold this share of the proposed ones
 COVER_SEEN = 32       # ... once this many roots were counted (and below the largest, before a shift)
 MIN_TOPK = 4          # ... from this one up, doubling
 FADE = 0.995          # rank counts fade by this much per root that could see them
@@ -145,8 +145,8 @@ class Coverage:
         topk 16, 100 roots: ranks 0..6 taken 72, 15, 6, 3, 2, 1, 1 times -> S(4) = 0.04, S(16) = 0,
         coverage(4) = (1 - S(4)) / (1 - S(16)) = 0.96 -> topk 4
         then at topk 4 a quarter of the roots go unproposed: S(4) climbs towards 0.25, coverage(4) falls
-        below COVER by more than HOLD_Z standard errors (0.044 at 100 roots), and the ranks last seen beyond 4
-        (all by rank 6) make it 8
+        below COVER by more than HOLD_Z standard errors (0.06 at 100 roots), and the ranks last seen beyond 4
+        (all by rank 6) make it 8 (or, sooner, the shift check forgets the counts and topk 16 measures again)
     """
 
     def __init__(self, largest: int, ranks: int = 64) -> None:
