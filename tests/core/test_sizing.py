@@ -357,8 +357,8 @@ def test_chance_does_not_move_the_topk(rate, held, after):
     """2,000 roots (seeded draws, a decision every 32) whose target takes rank 0, or at `rate` one of ranks 4..7
     (at topk 4: not proposed). At the rate the counts expect (4%) topk stays 4 at every decision; a quarter
     takes it to 8 by the fifth decision (the 100 roots first seen at 16 fade) and it stays there; neither is
-    a shift (ranks beyond 8 never come). (The check that came before, an EWMA over ~20 roots with a 5-point margin, fired on such noise
-    several times a prompt and measured again at 16 each time.)"""
+    a shift (ranks beyond 8 never come). (The check that came before, an EWMA over ~20 roots with a 5-point
+    margin, fired on such noise several times a prompt and measured again at 16 each time.)"""
     draws, cov = random.Random(1), Coverage(16)
     for rank in _ranks([72, 15, 6, 3, 2, 1, 1, 0]):
         cov.add(rank, 16)
