@@ -22,6 +22,7 @@ class ProposalRows(Sequence):
     logps: np.ndarray      # [m, k] float64, the draft's log-probability of each token (its score)
     counts: np.ndarray     # [m] int64, proposals in each row (<= k)
     distinct: bool = False  # no row repeats a token (a top-k), so `has_repeats` need not look
+    full: bool = False      # every row holds k proposals (`full`), so `counts` need not be looked at
 
     @classmethod
     def of(cls, rows: Sequence[Sequence[tuple[int, float]]]) -> "ProposalRows":
@@ -38,7 +39,7 @@ class ProposalRows(Sequence):
     def full(cls, tokens: np.ndarray, logps: np.ndarray) -> "ProposalRows":
         """Every column of every row is a proposal, no row repeating a token (a top-k)."""
         return cls(tokens.astype(np.int64, copy=False), logps.astype(np.float64, copy=False),
-                   np.full(tokens.shape[0], tokens.shape[1], np.int64), distinct=True)
+                   np.full(tokens.shape[0], tokens.shape[1], np.int64), distinct=True, full=True)
 
     def valid(self) -> np.ndarray:
         """[m, k] bool: which cells are proposals."""
@@ -55,7 +56,7 @@ class ProposalRows(Sequence):
 
     def select(self, rows: Sequence[int] | np.ndarray) -> "ProposalRows":
         rows = np.asarray(rows, np.int64)
-        return ProposalRows(self.tokens[rows], self.logps[rows], self.counts[rows], self.distinct)
+        return ProposalRows(self.tokens[rows], self.logps[rows], self.counts[rows], self.distinct, self.full)
 
     def __getitem__(self, i):                                   # a row as (token, log-prob) pairs
         if isinstance(i, slice):

@@ -113,7 +113,8 @@ class TokenTree(TreeSelection):
         """A draft job will compute these nodes' children: the draft holds their rows from now on (a prune
         names them), and `to_expand` does not offer them again."""
         rows, live = self.rows(np.asarray(node_ids, np.int64))
-        self.a.asked[rows[live]] = True
+        rows = rows[live]
+        self.a.asked[rows[~self.a.expanded[rows]]] = True     # (an expanded node is named by a prune already)
 
     def ask(self, rows: np.ndarray, root_parent: int) -> tuple[list[int], list[int], list[int], list[int]]:
         """`mark_asked` by rows (`expand_rows`' answer), for the hot path: returns their `segment_of`."""
@@ -176,6 +177,33 @@ class TokenTree(TreeSelection):
             for r, b, sc in zip(prow[got].tolist(), best[got].tolist(), ranked.max(axis=1)[got].tolist()):
                 self._offer_best(r, b, sc)
         return ids
+
+    def add_asked(self, node_ids: Sequence[int], proposals: ProposalRows | Sequence[Sequence[tuple[int, float]]],
+                  first: int = 0) -> list[int]:
+        """A draft job's proposals for nodes it asked (`ask`): row first + i of `proposals` below node_ids[i]
+        (the rows before `first` are not this tree's). A node pruned while the job ran is skipped with its
+        row. Returns the ids that got their rows (`add_children_many` for the rest of the contract).
+
+            ask rows of 5, 7; a result prunes 7; add_asked([5, 7], rows) -> [5]: 5's children added, 7's dropped
+        """
+        ids = np.asarray(node_ids, np.int64)
+        prow, live = self.rows(ids)
+        a = self.a
+        if first or not live.all():
+            at = live.nonzero()[0]
+            ids = ids[at]
+            proposals = proposals.select(at + first) if isinstance(proposals, ProposalRows) else \
+                [proposals[i + first] for i in at.tolist()]
+        elif isinstance(proposals, ProposalRows) and proposals.distinct and len(ids) == proposals.tokens.shape[0] \
+                and (proposals.full or (proposals.counts == proposals.tokens.shape[1]).all()) and a.asked[prow].all():
+            # the hot path: a top-k for nodes still asked (`ask` marks distinct rows never expanded; expanding
+            # clears the mark), so none has a child yet
+            a.expanded[prow] = True
+            a.asked[prow] = False
+            self._add_full(ids, prow, proposals)
+            return node_ids if isinstance(node_ids, list) else ids.tolist()
+        self.add_children_many(ids, proposals)
+        return ids.tolist()
 
     def _add_full(self, parent_ids: np.ndarray, prow: np.ndarray, rows: ProposalRows) -> np.ndarray:
         """The hot path of add_children_many: fresh parents, every cell of every row a distinct child."""

@@ -235,8 +235,10 @@ class Engine(EngineLifecycle):
         self._drafting.add(sched)
         loop = asyncio.get_running_loop()
         try:
+            job = None
             while True:
-                job = await self._call(sched, sched.draft_job)
+                if job is None:
+                    job = await self._call(sched, sched.draft_job)
                 if job is None:
                     self._drafting.discard(sched)
                     if not (sched.has_work and self._current(sched)):
@@ -244,7 +246,7 @@ class Engine(EngineLifecycle):
                     self._drafting.add(sched)
                     continue
                 results = await loop.run_in_executor(self._draft_pool, job.run, sched.draft)
-                await self._call(sched, sched.draft_done, job, results)
+                job = await self._call(sched, sched.draft_next, job, results)   # applied, and the next job
         finally:
             self._drafting.discard(sched)
 

@@ -70,6 +70,36 @@ def test_add_children_skips_duplicates_marks_expanded_and_accumulates_scores():
     assert t.add_children(6, []) == [] and t.nodes[6].expanded
 
 
+def test_add_asked_adds_a_top_k_for_asked_nodes_and_drops_the_rows_of_pruned_ones():
+    """A draft job's proposals (`ask`, then `add_asked`): the hot path for a full top-k, the rows of nodes
+    pruned meanwhile dropped, committed rows in front (`first`) skipped, and a node that was expanded before
+    its ask (`mark_asked` leaves it unmarked) deduplicated as `add_children` does."""
+    from coordinator.core.proposals import ProposalRows
+    t = make_tree()
+    assert t.add_children(0, [(7, -0.5), (8, -1.0)]) == [1, 2]
+    t.ask(np.array([1, 2]), root_parent=-1)
+    assert t.nodes[1].asked and t.nodes[2].asked
+    top = ProposalRows.full(np.array([[3, 4], [5, 6]]), np.array([[-0.1, -0.2], [-0.3, -0.4]]))
+    assert t.add_asked([1, 2], top) == [1, 2]
+    assert t.nodes[1].children == [3, 4] and t.nodes[2].children == [5, 6]
+    assert t.nodes[1].expanded and not t.nodes[1].asked
+    assert t.nodes[6].score == pytest.approx(-1.4) and t.nodes[6].depth == 2
+    assert t.nodes[1].target_next is None and t.a.best_child[t.row(1)] == 3
+    # 3 and 4 asked; a hit on 2 prunes 1's subtree (3, 4) while the job runs: only 5's row is kept; the
+    # first row belongs to a committed node the draft had not computed (`unseen`)
+    t.ask(np.array([t.row(3), t.row(4), t.row(5)]), root_parent=-1)
+    t.a.injected[t.row(2)] = True
+    t.commit(2)
+    rows = ProposalRows.full(np.array([[9, 9], [1, 2], [3, 4], [5, 6]]), np.zeros((4, 2)))
+    assert t.add_asked([3, 4, 5], rows, first=1) == [5]
+    assert t.nodes[5].children == [7, 8] and [t.nodes[i].token for i in (7, 8)] == [5, 6]
+    # a node expanded before it was asked keeps its children once
+    t.mark_asked([5])
+    assert not t.nodes[5].asked
+    assert t.add_asked([5], ProposalRows.full(np.array([[5, 1]]), np.array([[-0.5, -0.6]]))) == [5]
+    assert [t.nodes[i].token for i in t.nodes[5].children] == [5, 6, 1]
+
+
 def test_select_layer_takes_only_children_of_the_deepest_injected_layer():
     t = make_tree()
     t.add_children(0, [(1, -0.5), (2, -0.1), (3, -0.3)])          # 1, 2, 3 at depth 1

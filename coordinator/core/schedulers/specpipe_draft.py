@@ -14,6 +14,8 @@ Contract. The scheduler never calls the draft while it handles an event:
   to the requests in proportion to the rows it computed for each, a failure ends its request (not the
   scheduler), proposals become children of the nodes still in their tree (a result may have pruned some
   meanwhile: their rows are dropped), and the cost rule sees the round's time; then it dispatches.
+- `draft_next(job, results)` is `draft_done` and then `draft_job` in one call: what the driver calls when a
+  job comes back (the engine's draft loop, the simulated clock).
 - `work()` runs one round in line (the in-process drivers); `_draft_now` / `_expand` run a job in line
   for the trip baselines (coordinator/core/schedulers/trip.py).
 
@@ -31,7 +33,6 @@ import numpy as np
 
 from coordinator.core.drafts.base import DraftNode
 from coordinator.core.drafts.job import DraftJob, DraftOp, DraftResults
-from coordinator.core.proposals import ProposalRows
 from coordinator.core.schedulers.base import RequestState
 
 if TYPE_CHECKING:
@@ -116,6 +117,13 @@ class DraftBeside:
         self._apply(job, results)
         self._dispatch()
 
+    def draft_next(self, job: DraftJob, results: DraftResults) -> DraftJob | None:
+        """`draft_done(job, results)`, then the next job while rounds are due (`draft_job()`), in one call:
+        the draft's hand-over costs the coordinator one call per round instead of two (each call after a
+        model's forward starts with cold caches). None: nothing is due."""
+        self.draft_done(job, results)
+        return self.draft_job() if self.has_work else None
+
     def _apply(self, job: DraftJob, results: DraftResults) -> None:
         if self.sizer is not None and job.expand and not job.begin and not results.errors:
             self.sizer.observe_draft(sum(len(nodes) for _, nodes in job.expand), results.compute_ms)
@@ -135,17 +143,10 @@ class DraftBeside:
         for request_id, nodes in job.tree_nodes.items():
             if request_id not in self.requests or request_id not in results.proposals:
                 continue
-            tree, rows = self.trees[request_id], results.proposals[request_id]
-            first = len(rows) - len(nodes)        # the rows before are committed nodes (`unseen`)
-            alive = tree.live(nodes)
-            if first or not alive.all():
-                live = alive.nonzero()[0]
-                keep = [nodes[i] for i in live.tolist()]
-                rows = rows.select(live + first) if isinstance(rows, ProposalRows) else \
-                    [rows[i + first] for i in live]
-            else:
-                keep = nodes
-            tree.add_children_many(keep, rows)
+            rows = results.proposals[request_id]
+            # (the rows before the tree's nodes are committed nodes the draft had not computed: `unseen`)
+            tree = self.trees[request_id]
+            keep = tree.add_asked(nodes, rows, first=len(rows) - len(nodes))
             for node_id in keep if request_id in results.q else ():
                 tree.q[node_id] = results.q[request_id].get(node_id)
 

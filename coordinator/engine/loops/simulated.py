@@ -19,7 +19,8 @@ Model (all in milliseconds):
 - a scheduler whose draft runs beside it (`drafts_beside`: specpipe) hands out draft jobs: the draft is its
   own resource, one job at a time, started when the coordinator has made it and done after its modelled
   time (plus its KV bookkeeping's measured time times `control_scale`), when the coordinator applies it like
-  any event. The trip baselines' rounds run in line, as above;
+  any event and makes the next job in the same call (`draft_next`). The trip baselines' rounds run in line,
+  as above;
 - control messages reach every stage at once.
 
 `steps` records, per pipeline step (one result handled and the calls up to the next), the control time and
@@ -201,15 +202,31 @@ class SimulatedPipeline:
             return t
 
         def start_draft(t: float) -> float:
-            """If the draft is idle and a round is due, the coordinator makes the job (its control time), the
-            draft computes it now and its results come back when the draft-time model says. Returns when the
-            coordinator is free again."""
-            nonlocal draft_free, drafting
+            """If the draft is idle and a round is due, the coordinator makes the job (its control time) and
+            the draft starts it (`launch`). Returns when the coordinator is free again."""
             if drafting or not scheduler.has_work:
                 return t
             job, actions, control, _ = call(scheduler.draft_job)
             t += control
             dispatch(t, actions)
+            return launch(t, job)
+
+        def drafted(t: float, job, results) -> float:
+            """A job came back: the coordinator applies it and, in the same call (`draft_next`), makes the next
+            job, which the draft starts. Returns when the coordinator is free again."""
+            nonlocal drafting
+            drafting = False
+            if not hasattr(scheduler, "draft_next"):        # (test doubles): two calls
+                return handle(t, scheduler.draft_done, job, results)
+            job, actions, control, _ = call(scheduler.draft_next, job, results)
+            t += control
+            dispatch(t, actions)
+            return launch(t, job)
+
+        def launch(t: float, job) -> float:
+            """The draft computes `job` now (None: nothing) and its results come back when the draft-time
+            model says."""
+            nonlocal draft_free, drafting
             if job is None:
                 return t
             before = self._draft_counters(draft)
@@ -285,8 +302,7 @@ class SimulatedPipeline:
                 coord_free = work(max(t, coord_free))
                 admit(coord_free)
             elif kind == "drafted":
-                drafting = False
-                coord_free = handle(max(t, coord_free), scheduler.draft_done, *payload)
+                coord_free = drafted(max(t, coord_free), *payload)
                 admit(coord_free)
             elif kind == "submit":
                 out[payload.request_id].start_ms = t
@@ -307,12 +323,12 @@ class SimulatedPipeline:
         meter, jobs = StepMeter(), deque()
         charge = getattr(twin, "charge_control", None)
         for call in self.calls:                        # (the recorded inputs are copies: handed over as they are)
-            args = (jobs.popleft(), call.args[1]) if call.name == "draft_done" else call.args
+            args = (jobs.popleft(), call.args[1]) if call.name in ("draft_done", "draft_next") else call.args
             start = time.perf_counter()
             out = getattr(twin, call.name)(*args)
             actions = twin.poll()
             meter.add((time.perf_counter() - start) * 1e3 * self.control_scale, result=call.result)
-            if call.name == "draft_job" and out is not None:
+            if call.name in ("draft_job", "draft_next") and out is not None:
                 jobs.append(out)
             if charge is not None:                     # the cost rule sees what the run charged: same choices
                 charge(call.charged)
@@ -340,7 +356,7 @@ class Call:
 def _keep(name: str, args: tuple) -> tuple:
     """A call's inputs as the replay needs them: copies (the scheduler may change what it is given); a draft
     job is the twin's own (its i-th), so only its results are kept."""
-    if name == "draft_done":
+    if name in ("draft_done", "draft_next"):
         return (None, copy.deepcopy(args[1]))
     return copy.deepcopy(args)
 

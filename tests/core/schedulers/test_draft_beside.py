@@ -55,7 +55,7 @@ class Driver:
     def choices(self) -> list[str]:
         out = ["result"] if self.results else []
         if self.job is not None:
-            out.append("job done")
+            out += ["job done", "job next"]         # draft_done; or draft_next, which starts the next job too
         elif self.sched.has_work:
             out.append("job start")
         return out
@@ -67,10 +67,16 @@ class Driver:
             job = self.sched.draft_job()
             if job is not None:                   # computed now: the draft sees only what the job carries
                 self.job = (job, job.run(self.sched.draft))
-        else:
+        elif choice == "job done":
             job, results = self.job
             self.job = None
             self.sched.draft_done(job, results)
+        else:
+            job, results = self.job
+            self.job = None
+            job = self.sched.draft_next(job, results)
+            if job is not None:
+                self.job = (job, job.run(self.sched.draft))
         self.drain()
 
 
