@@ -5,13 +5,16 @@ A scheduler never calls the draft while it handles an event. It queues the draft
 `prune`, `release`: the tree's commits and prunes mirrored into the draft's KV) and, when a round is due,
 hands out a `DraftJob`: the prompts to prefill, that bookkeeping in order, then the nodes to expand.
 Whoever owns the draft runs `job.run(draft)` — one job at a time, in the order they were made — and gives
-the `DraftResults` back to the scheduler (`SpecPipeScheduler.draft_done`). Meanwhile results may come
+the `DraftResults` back to the scheduler (`SpecPipeScheduler.draft_done`, or `draft_next`, which also makes
+the next job: one call per round). Meanwhile results may come
 back, commit and prune: what they prune is queued behind the job, and the job's proposals for nodes no
 longer in a tree are dropped when they are applied.
 
     job = sched.draft_job()          # under the scheduler's lock: cheap, pure
     results = job.run(sched.draft)   # on the draft's thread: the model's forward and top-k
     sched.draft_done(job, results)   # under the lock: proposals become children, the next batch may go in
+    # or, as the engine's draft loop and the simulated clock do: applied, and the next job made, in one call
+    job = sched.draft_next(job, results)
 
 A failure stays with the requests it touches: an exception from a request's bookkeeping, prefill or
 expansion becomes that request's error; one from a whole model call, the error of every request in it.

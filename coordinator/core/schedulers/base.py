@@ -104,7 +104,8 @@ class RequestState:
 class Scheduler(ABC):
     name = "base"
     # deferred draft work: False -> `work()` in line; True -> `draft_job()` hands out jobs that run beside the
-    # scheduler and come back through `draft_done(job, results)` (coordinator/core/drafts/job.py)
+    # scheduler and come back through `draft_done(job, results)`, or `draft_next(job, results)`, which makes
+    # the next job in the same call (coordinator/core/drafts/job.py)
     drafts_beside = False
 
     def __init__(self, num_stages: int) -> None:

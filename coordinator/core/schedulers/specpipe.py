@@ -45,7 +45,7 @@ class SpecPipeScheduler(DraftBeside, BatchingScheduler):
     name = "specpipe"
     overtakes = True             # a full pipeline is speculation: a new prompt's first chunk need not wait
     holds_finished_slot = True   # and the slot a finished request frees may wait a step for the next prompt
-    drafts_beside = True         # draft rounds are jobs that run beside the scheduler (draft_job, draft_done)
+    drafts_beside = True         # draft rounds are jobs that run beside the scheduler (draft_job, draft_next)
 
     def __init__(self, num_stages: int, draft: DraftSource, width: int = 32, policy: str = "hybrid",
                  topk: int = 16, node_budget: int = 32, verify: str = "match", rounds: int = 2,
