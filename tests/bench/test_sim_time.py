@@ -183,8 +183,9 @@ class DraftBeside:
             return "proposals"
         return SimpleNamespace(run=run)
 
-    def draft_done(self, job, results) -> None:
+    def draft_next(self, job, results):
         self.done = results
+        return None
 
     def on_result(self, result) -> None:
         self.drafted_at_result = hasattr(self, "done")

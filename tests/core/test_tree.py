@@ -85,12 +85,12 @@ def test_add_asked_adds_a_top_k_for_asked_nodes_and_drops_the_rows_of_pruned_one
     assert t.nodes[1].expanded and not t.nodes[1].asked
     assert t.nodes[6].score == pytest.approx(-1.4) and t.nodes[6].depth == 2
     assert t.nodes[1].target_next is None and t.a.best_child[t.row(1)] == 3
-    # 3 and 4 asked; a hit on 2 prunes 1's subtree (3, 4) while the job runs: only 5's row is kept; the
+    # 3, 4 and 5 asked; a hit on 2 prunes 1's subtree (3, 4) while the job runs: only 5's row is kept; the
     # first row belongs to a committed node the draft had not computed (`unseen`)
     t.ask(np.array([t.row(3), t.row(4), t.row(5)]), root_parent=-1)
     t.a.injected[t.row(2)] = True
     t.commit(2)
-    rows = ProposalRows.full(np.array([[9, 9], [1, 2], [3, 4], [5, 6]]), np.zeros((4, 2)))
+    rows = ProposalRows.full(np.array([[9, 8], [1, 2], [3, 4], [5, 6]]), np.zeros((4, 2)))
     assert t.add_asked([3, 4, 5], rows, first=1) == [5]
     assert t.nodes[5].children == [7, 8] and [t.nodes[i].token for i in (7, 8)] == [5, 6]
     # a node expanded before it was asked keeps its children once

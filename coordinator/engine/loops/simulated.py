@@ -216,8 +216,6 @@ class SimulatedPipeline:
             job, which the draft starts. Returns when the coordinator is free again."""
             nonlocal drafting
             drafting = False
-            if not hasattr(scheduler, "draft_next"):        # (test doubles): two calls
-                return handle(t, scheduler.draft_done, job, results)
             job, actions, control, _ = call(scheduler.draft_next, job, results)
             t += control
             dispatch(t, actions)
@@ -323,7 +321,7 @@ class SimulatedPipeline:
         meter, jobs = StepMeter(), deque()
         charge = getattr(twin, "charge_control", None)
         for call in self.calls:                        # (the recorded inputs are copies: handed over as they are)
-            args = (jobs.popleft(), call.args[1]) if call.name in ("draft_done", "draft_next") else call.args
+            args = (jobs.popleft(), call.args[1]) if call.name == "draft_next" else call.args
             start = time.perf_counter()
             out = getattr(twin, call.name)(*args)
             actions = twin.poll()
@@ -356,7 +354,7 @@ class Call:
 def _keep(name: str, args: tuple) -> tuple:
     """A call's inputs as the replay needs them: copies (the scheduler may change what it is given); a draft
     job is the twin's own (its i-th), so only its results are kept."""
-    if name in ("draft_done", "draft_next"):
+    if name == "draft_next":
         return (None, copy.deepcopy(args[1]))
     return copy.deepcopy(args)
 
