@@ -29,8 +29,9 @@ all of them (rows = n * share) and commits n * tokens(share); without speculatio
 max(1, n / S) rows, min(1, n / S) of them per step.
 
 Worked example, the GPU regime (S = 8, c = 5 + 0.025 * rows ms, hop 0.5, d = 1.5 + 0.005 * rows, ctl 1.5,
-E_now 0.76 at w_now 32, hit(k_now = 4) = 0.98): w = 32, r = 2 -> step = max(5.8 + 0.5 + 0.19, 3.3, 1.5)
-= 6.5 ms, 0.76 tokens -> 8.5 ms per token; none -> 8 * 5.525 = 44.2 ms per token: speculate, wide.
+E_now 0.76 at w_now 32, hit(k_now = 4) = 0.98): w = 32, r = 3 -> step = max(5.8 + 0.5 + 0.19, 5.0, 1.5)
+= 6.5 ms, 0.76 tokens -> 8.5 ms per token (r = 2 rates the same: the third round fits in the stage step, and
+ties keep the choice in use); none -> 8 * 5.525 = 44.2 ms per token: speculate, wide.
 A CPU with a draft as costly as the whole target (S = 4, c = 28 + 0.5 * rows, d = 112 + 0.5 * rows): any
 width takes step >= d(1) = 112.5 ms for at most E tokens, none 4 * 29.5 = 118 ms per token; with
 E_now = 0.8 -> 140 ms: none.
@@ -42,7 +43,7 @@ What it chooses (`Sizer.step`, after every result; `choose` every max(8, 4 S) re
    draft rounds and the first result) is left for the largest choice whose rounds keep up with a stage step
    (r * d(w) <= c(w) + hop), else the smallest: a CPU whose draft is the whole target spent its first ~10
    results (1.9 s of `make run`) at width 32 x 2 rounds, 110-630 ms of draft each, before it could try none.
-   The GPU regime (2 * d(32) = 3.3 ms against c(32) + hop = 6.3 ms) starts and stays large.
+   The GPU regime (3 * d(32) = 5.0 ms against c(32) + hop = 6.3 ms) starts and stays large.
 1. **Start large, try none**: the largest choice first; once the rule knows enough, unless speculation is
    predicted EXPLORE times as fast as none (merely as fast where the stage times cannot depend on the
    draft: `Sizer(shared=False)`, from `--stage-hardware apart`: the Helm chart's GPU pods, the simulated clock),
@@ -89,7 +90,7 @@ import numpy as np
 from coordinator.core.sizing_estimators import MIN_TOPK, Costs, Coverage, Ewma, Line, Pace
 
 AUTO_WIDTHS = (1, 2, 4, 8, 16, 32)     # the widths the rule tries (up to Sizing.max_width)
-AUTO_MAX = (32, 16, 2)                 # width, topk, draft rounds when not given: the largest the rule picks
+AUTO_MAX = (32, 16, 3)                 # width, topk, draft rounds when not given: the largest the rule picks
 MARGIN = 0.10                          # a change must promise this much more throughput (measured)
 UNTRIED = 0.25                         # ... and this much when the rule's model is all it has
 EVERY = 8                              # results between decisions
@@ -360,7 +361,7 @@ class Sizer:
         draft-bound, not known yet: two draft rounds and a stage step seen, or a pinned width).
 
             S = 4, c(w) = 50 ms (one bucket: flat), hop 0; draft rounds of 16 and 32 rows took 212 and 626 ms
-            (a line through the origin: d(w) = 18.3 w). The start (32, 16, 2): 2 * d(32) = 1171 > 2 * 50, so
+            (a line through the origin: d(w) = 18.3 w). The start (32, 16, 3): 3 * d(32) = 1757 > 2 * 50, so
             it is left; (2, 4, 2): 73 > 50; (2, 4, 1): 36.6 <= 50 -> (2, 4, 1), the widest that keeps up.
         """
         c, choice = self.costs[True], self.choice

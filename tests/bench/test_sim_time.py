@@ -480,7 +480,9 @@ def test_the_cost_rule_takes_the_smallest_topk_that_covers_the_targets_ranks(tin
         out = pipe.run(sched, [Request(f"k{i}", prompt, 40)], draft=draft)[f"k{i}"]
         assert out.tokens == hf_greedy(tiny_hf, prompt, 40)
         topks.append(out.stats.sized_topk)
-    assert topks[0] == 16 and topks[-1] == (4 if right else 16), topks
+    # the first prompt ends at the largest topk, or in the rule's trial of none (sized 0: the reversed draft's
+    # misses make plain pipelining worth measuring; it goes back to speculating once that is measured)
+    assert topks[0] in (16, 0) and topks[-1] == (4 if right else 16), topks
     assert sizer.choice.speculates and sizer.choice.topk == topks[-1]
 
 

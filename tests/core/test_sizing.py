@@ -33,7 +33,7 @@ def test_a_line_with_one_bucket_is_flat_and_never_falls():
 
 def test_sizing_of_config_values():
     s = Sizing.of(0, 0, 0)
-    assert (s.max_width, s.max_topk, s.max_rounds, s.auto) == (32, 16, 2, True)
+    assert (s.max_width, s.max_topk, s.max_rounds, s.auto) == (32, 16, 3, True)
     s = Sizing.of(8, 0, 1)
     assert (s.max_width, s.pin_width, s.pin_topk, s.pin_rounds) == (8, True, False, True)
     assert not Sizing.of(8, 4, 1).auto
@@ -77,9 +77,31 @@ def test_the_gpu_profile_rates_by_hand():
     assert sizer.rate(Choice(4, 4, 2)) < sizer.rate(Choice(32, 16, 2))
 
 
+def test_a_third_round_is_kept_where_it_keeps_up_and_left_where_it_does_not():
+    """The GPU profile: 3 * d(32) = 3 * 1.66 = 4.98 ms fits in a step of 6.4875 ms, so 3 rounds rate as 2 and the
+    start (32, 16, 3) stays (ties keep the choice in use). A draft of 3 + 0.005 ms/row: 3 * 3.16 = 9.48 ms sets
+    the step, 2 * 3.16 = 6.32 does not (6.4875 ms, 1.46x as fast). Best of all is width 16 with one round: its
+    2 root children hold every target token seen (the first two ranks), so it commits about as much as 32 does
+    (99%: the counts' prior leaves a little beyond the first ranks), and
+    its step is max(5 + 0.4 + 0.5 + 0.1875, 3.08) = 6.0875 ms: 1.56x as fast as the start, over the 25% an
+    untried choice must promise."""
+    gpu = _gpu()
+    assert gpu.rate(Choice(32, 16, 3)) == pytest.approx(gpu.rate(Choice(32, 16, 2)))
+    _pace(gpu, 1 / gpu.rate(gpu.choice))
+    assert gpu.choose().shape == (32, 3)
+    slow = Sizer(8, Sizing.of(0, 0, 0), shared=False)
+    _teach(slow, (5.0, 0.025), 0.5, (3.0, 0.005), 1.5, 0.76, [0] * 90 + [1] * 10)
+    assert slow.rate(Choice(32, 16, 3)) == pytest.approx(0.76 / 9.48)
+    assert slow.rate(Choice(32, 16, 2)) == pytest.approx(0.76 / 6.4875)
+    assert slow.leave_draft_bound_start() is None                # 9.48 < 2 * (5.8 + 0.5): not step 0's case
+    assert slow.rate(Choice(16, 16, 1)) == pytest.approx(0.76 / 6.0875, rel=0.01)
+    _pace(slow, 1 / slow.rate(slow.choice))
+    assert slow.choose().shape == (16, 1)
+
+
 def test_the_gpu_profile_stays_wide():
     sizer = _gpu()
-    assert sizer.choose() == Choice(32, 16, 2) and not sizer.decided     # not judged before it is measured
+    assert sizer.choose() == Choice(32, 16, 3) and not sizer.decided     # not judged before it is measured
     _pace(sizer, 1 / sizer.rate(sizer.choice))                           # as the model says
     choice = sizer.choose()
     assert sizer.decided and sizer.calibration == pytest.approx(1.0)
@@ -111,7 +133,7 @@ def test_none_is_tried_then_judged_by_its_measured_pace():
     token per 200 ms (the model said 118), against speculation measured at one per 150 ms: back to
     speculating."""
     sizer = Sizer(4, Sizing.of(0, 0, 0))
-    assert sizer.choice == Choice(32, 16, 2)
+    assert sizer.choice == Choice(32, 16, 3)
     _teach(sizer, (28.0, 0.5), 1.0, (112.0, 0.5), 3.0, 0.8, [0] * 80 + [1] * 10 + [-1] * 10)
     _pace(sizer, 150.0, 16)                   # speculating at 150 ms per token
     assert sizer.choose() == NONE and sizer.trying
@@ -131,8 +153,8 @@ def test_none_is_tried_then_judged_by_its_measured_pace():
 
 def test_where_the_draft_sets_the_pace_fewer_rounds_commit_fewer_tokens():
     """A CPU whose draft costs as much as the whole target (S = 4, stages 28 + 0.5 ms/row, draft 112 + 0.5):
-    at 2 rounds every result waits for 256 ms of draft and commits 1.7 tokens (up to two spine layers a
-    result).
+    at 3 rounds (the largest) every result waits for 384 ms of draft and commits 1.7 tokens (up to three spine
+    layers a result; 2 rounds: 256 ms).
     One round cannot commit more than one layer a result, so width 8 with 1 round is 1 token per 116 ms —
     no better than none, which is kept after its trial (uncapped, the model said 1.7 tokens per 116 ms and
     went back to speculating)."""
@@ -142,9 +164,10 @@ def test_where_the_draft_sets_the_pace_fewer_rounds_commit_fewer_tokens():
     assert sizer.rate(Choice(8, 8, 1)) == pytest.approx(1 / 116.0)
     # step = max(28 + 16 + 0.65, 2 * 128, 1) = 256 ms for min(1.7, 2) tokens
     assert sizer.rate(Choice(32, 16, 2)) == pytest.approx(1.7 / 256.0)
-    _pace(sizer, 150.0, 16)                   # speculating at 150 ms per token
+    assert sizer.rate(Choice(32, 16, 3)) == pytest.approx(1.7 / 384.0)     # (3 * 128 ms of draft)
+    _pace(sizer, 384.0 / 1.7, 16)             # the start, speculating as modelled: 226 ms per token
     assert sizer.choose() == NONE
-    t = 150.0 * 16
+    t = 384.0 / 1.7 * 16
     for _ in range(14):                       # none at 119 ms per token
         t += 119.0
         sizer.observe_result(t, 1)
@@ -185,7 +208,7 @@ def test_what_ran_is_judged_by_its_measured_pace():
     50 ms): none it is."""
     sizer = _gpu()
     _pace(sizer, 100.0)
-    assert sizer.measured(Choice(32, 16, 2)) == pytest.approx(0.01)
+    assert sizer.measured(Choice(32, 16, 3)) == pytest.approx(0.01)
     sizer.paces[NONE.shape, 0] = Pace(0.9)
     for _ in range(5):
         sizer.paces[NONE.shape, 0].add(1, 50.0)
@@ -198,8 +221,8 @@ def test_paces_are_kept_by_load_level():
     _pace(sizer, 100.0)                               # one request
     for t in range(60):                               # then eight, whose count dips to seven now and then
         sizer.observe_result(5000.0 + 10.0 * t, 1, requests=7 if t % 4 == 0 else 8)
-    assert sizer.paces[Choice(32, 16, 2).shape, 0].rate == pytest.approx(0.01)
-    assert sizer.measured(Choice(32, 16, 2)) == pytest.approx(0.1, rel=0.05)     # eight's level now
+    assert sizer.paces[Choice(32, 16, 3).shape, 0].rate == pytest.approx(0.01)
+    assert sizer.measured(Choice(32, 16, 3)) == pytest.approx(0.1, rel=0.05)     # eight's level now
 
 
 class Table(Sizer):
@@ -230,11 +253,11 @@ def test_a_change_must_promise_more(gain, measured, moves):
 
 def test_a_draft_bound_start_is_left_for_the_widest_choice_that_keeps_up():
     """The module's step 0, its docstring's example: stages of 50 ms (one bucket seen: flat), draft rounds of
-    16 and 32 rows that took 212 and 626 ms. After the first result the start (32, 16, 2) is left for
+    16 and 32 rows that took 212 and 626 ms. After the first result the start (32, 16, 3) is left for
     (2, 4, 1) at once, before the rule knows any acceptance; it is not done twice."""
     sizer = Sizer(4, Sizing.of(0, 0, 0))
     sizer.observe_draft(16, 212.0)
-    assert sizer.step() == Choice(32, 16, 2), "one draft round (a warm-up) and no stage step: not known yet"
+    assert sizer.step() == Choice(32, 16, 3), "one draft round (a warm-up) and no stage step: not known yet"
     sizer.observe_stage(43, 50.0)
     sizer.observe_draft(32, 626.0)
     assert sizer.leave_draft_bound_start() == Choice(2, 4, 1)
@@ -245,7 +268,7 @@ def test_a_draft_bound_start_is_left_for_the_widest_choice_that_keeps_up():
 
 def test_a_start_whose_draft_keeps_up_stays_and_a_pinned_width_never_leaves():
     gpu = _gpu()                               # 2 * d(32) = 3.3 ms against c(32) + hop = 6.3 ms
-    assert gpu.leave_draft_bound_start() is None and gpu.step().shape == (32, 2)    # (topk by coverage: 4)
+    assert gpu.leave_draft_bound_start() is None and gpu.step().shape == (32, 3)    # (topk by coverage: 4)
     pinned = Sizer(4, Sizing.of(32, 0, 0))
     pinned.observe_stage(43, 50.0)
     for rows, ms in ((16, 212.0), (32, 626.0)):
@@ -306,7 +329,7 @@ def _covered(counts: list[int]) -> Sizer:
 ])
 def test_topk_is_the_smallest_that_covers_the_proposed_ranks(counts, topk):
     sizer = _covered(counts)
-    assert sizer.step().topk == topk and sizer.choice.shape == (32, 2)
+    assert sizer.step().topk == topk and sizer.choice.shape == (32, 3)
     assert {c.topk for c in sizer.candidates() if c.width >= topk} == {topk}
     assert all(c.topk <= max(4, c.width) for c in sizer.candidates() if c.speculates)
 
@@ -316,7 +339,7 @@ def test_a_topk_change_keeps_the_pace_and_its_measurement():
     skipped (a width change skips the S results of micro-batches sent before it)."""
     sizer = _covered([72, 15, 6, 3, 2, 1, 1, 0])
     before = sizer.measured(sizer.choice)
-    assert sizer.step() == Choice(32, 4, 2) and sizer.measured(sizer.choice) == before and sizer._skip == 0
+    assert sizer.step() == Choice(32, 4, 3) and sizer.measured(sizer.choice) == before and sizer._skip == 0
 
 
 def test_coverage_waits_for_enough_ranks_and_a_pinned_topk_never_moves():
@@ -339,7 +362,7 @@ def test_a_draft_that_gets_worse_under_a_small_topk_moves_it_up():
     for i in range(64):
         sizer.observe_root(-1 if i % 3 == 0 else 0, 4)
     assert sizer.coverage.covered(4) < COVER - HOLD_Z * (COVER * (1 - COVER) / sizer.coverage.risk[0]) ** 0.5
-    assert sizer.choose().topk == 8 and sizer.step() == Choice(32, 8, 2)
+    assert sizer.choose().topk == 8 and sizer.step() == Choice(32, 8, 3)
     for i in range(32):
         sizer.observe_root(4 + i % 4 if i % 4 == 0 else 0, 8)
     assert sizer.choose().topk == 8 and sizer.coverage.covered(4) < COVER

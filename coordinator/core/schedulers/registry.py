@@ -28,7 +28,7 @@ class Speculation:
     topk: int = option(0, "children the draft proposes per node; 0: the cost rule picks up to 16")
     draft_rounds: int = option(0, "specpipe: draft calls per step; each expands the best not-yet-expanded nodes so "
                                   "a micro-batch can span several tree layers (layer policy: 1); 0: the cost rule "
-                                  "picks 1 or 2")
+                                  "picks 1 to 3")
     stage_hardware: str = option("shared", "specpipe's cost rule: the stages compute on the draft's hardware "
                                            "(shared: one machine, e.g. specpipe local), so plain pipelining is "
                                            "tried once before its model of it is trusted; or on their own "
