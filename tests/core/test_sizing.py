@@ -82,9 +82,9 @@ def test_a_third_round_is_kept_where_it_keeps_up_and_left_where_it_does_not():
     start (32, 16, 3) stays (ties keep the choice in use). A draft of 3 + 0.005 ms/row: 3 * 3.16 = 9.48 ms sets
     the step, 2 * 3.16 = 6.32 does not (6.4875 ms, 1.46x as fast). Best of all is width 16 with one round: its
     2 root children hold every target token seen (the first two ranks), so it commits about as much as 32 does
-    (99%: the counts' prior leaves a little beyond the first ranks), and
-    its step is max(5 + 0.4 + 0.5 + 0.1875, 3.08) = 6.0875 ms: 1.56x as fast as the start, over the 25% an
-    untried choice must promise."""
+    (99%: the counts' prior leaves a little beyond the first ranks), and its step is
+    max(5 + 0.4 + 0.5 + 0.1875, 3.08) = 6.0875 ms: 1.56x as fast as the start, over the 25% an untried choice
+    must promise."""
     gpu = _gpu()
     assert gpu.rate(Choice(32, 16, 3)) == pytest.approx(gpu.rate(Choice(32, 16, 2)))
     _pace(gpu, 1 / gpu.rate(gpu.choice))
@@ -267,7 +267,7 @@ def test_a_draft_bound_start_is_left_for_the_widest_choice_that_keeps_up():
 
 
 def test_a_start_whose_draft_keeps_up_stays_and_a_pinned_width_never_leaves():
-    gpu = _gpu()                               # 2 * d(32) = 3.3 ms against c(32) + hop = 6.3 ms
+    gpu = _gpu()                               # 3 * d(32) = 5.0 ms against c(32) + hop = 6.3 ms
     assert gpu.leave_draft_bound_start() is None and gpu.step().shape == (32, 3)    # (topk by coverage: 4)
     pinned = Sizer(4, Sizing.of(32, 0, 0))
     pinned.observe_stage(43, 50.0)
