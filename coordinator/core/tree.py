@@ -179,17 +179,24 @@ class TokenTree(TreeSelection):
         return ids
 
     def add_asked(self, node_ids: Sequence[int], proposals: ProposalRows | Sequence[Sequence[tuple[int, float]]],
-                  first: int = 0) -> list[int]:
+                  first: int = 0, asked_at: tuple[int, np.ndarray] | None = None) -> list[int]:
         """A draft job's proposals for nodes it asked (`ask`): row first + i of `proposals` below node_ids[i]
         (the rows before `first` are not this tree's). A node pruned while the job ran is skipped with its
         row. Returns the ids that got their rows (`add_children_many` for the rest of the contract).
+        `asked_at`: (`a.moves`, the nodes' rows) when they were asked; while no row has moved since, those
+        rows are used as they are (no lookup: nothing was pruned either, a prune moves rows).
 
             ask rows of 5, 7; a result prunes 7; add_asked([5, 7], rows) -> [5]: 5's children added, 7's dropped
         """
-        ids = np.asarray(node_ids, np.int64)
-        prow, live = self.rows(ids)
         a = self.a
-        if first or not live.all():
+        ids = np.asarray(node_ids, np.int64)
+        if asked_at is not None and asked_at[0] == a.moves and len(asked_at[1]) == len(ids):
+            prow, live = asked_at[1], None
+        else:
+            prow, live = self.rows(ids)
+        if first or (live is not None and not live.all()):
+            if live is None:
+                live = np.ones(len(ids), bool)
             at = live.nonzero()[0]
             ids = ids[at]
             proposals = proposals.select(at + first) if isinstance(proposals, ProposalRows) else \

@@ -49,6 +49,7 @@ class NodeArrays:
     def __init__(self, capacity: int = 256) -> None:
         self._buf = {c: np.empty(capacity, t) for c, t in self.COLUMNS.items()}
         self.n = 0
+        self.moves = 0      # times rows moved (`keep`, `reset`): rows read at an equal count are still valid
         # id -> row: _where[1 + id - base] for ids from base (the first live id) to the last; -1 where not
         # live, and -1 at both ends (index 0 and the last), so a clipped lookup of any id is one `take`. Ids
         # live in a span the request's counter handed out since its root was made, so it stays small.
@@ -100,6 +101,7 @@ class NodeArrays:
     def keep(self, rows: np.ndarray) -> None:
         """Keep only these rows (ascending), in place."""
         k = len(rows)
+        self.moves += 1
         if self.n:
             self._where[1:int(self.id[-1]) - self.base + 2] = -1
         for b in self._buf.values():
@@ -116,6 +118,7 @@ class NodeArrays:
     def reset(self, node_id: int, token: int, depth: int) -> None:
         """One root node (parent -1, score 0, nothing known of it) in place of every row: a restart's bonus,
         written in place (what `clear` then `append` do, without their whole-column work)."""
+        self.moves += 1
         if self.n:
             self._where[1:int(self.id[-1]) - self.base + 2] = -1
         for c, value in (("id", node_id), ("parent", -1), ("token", token), ("depth", depth), ("score", 0.0),

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
+import numpy as np
 import torch
 
 from common.sampling import Sampling
@@ -59,6 +60,8 @@ class DraftJob:
     keep_q: set[str] = field(default_factory=set)     # requests whose expanded nodes' q is taken (rejection)
     tree_nodes: dict[str, list[int]] = field(default_factory=dict)   # request -> the tree nodes expanded: the
     # last rows of its expansion (the rows before are committed nodes the draft had not computed)
+    asked_at: dict[str, tuple[int, np.ndarray]] = field(default_factory=dict)   # request -> (its tree's
+    # `NodeArrays.moves`, [len(tree_nodes)] the nodes' rows) when asked (TokenTree.add_asked)
 
     @property
     def requests(self) -> set[str]:

@@ -95,6 +95,7 @@ class DraftBeside:
                 rows = tree.expand_rows(width, limit, state.request.eos_ids, spine_lead=lead)
             if len(rows):
                 self._ask(job, request_id, *tree.ask(rows, state.root_parent))
+                job.asked_at[request_id] = (tree.a.moves, rows)
         if job.ops or job.begin or job.expand:
             return job
         self._dispatch()                  # nothing to compute: the rounds counted down may free a request
@@ -146,7 +147,7 @@ class DraftBeside:
             rows = results.proposals[request_id]
             # (the rows before the tree's nodes are committed nodes the draft had not computed: `unseen`)
             tree = self.trees[request_id]
-            keep = tree.add_asked(nodes, rows, first=len(rows) - len(nodes))
+            keep = tree.add_asked(nodes, rows, first=len(rows) - len(nodes), asked_at=job.asked_at.get(request_id))
             for node_id in keep if request_id in results.q else ():
                 tree.q[node_id] = results.q[request_id].get(node_id)
 
