@@ -183,14 +183,15 @@ class TokenTree(TreeSelection):
         """A draft job's proposals for nodes it asked (`ask`): row first + i of `proposals` below node_ids[i]
         (the rows before `first` are not this tree's). A node pruned while the job ran is skipped with its
         row. Returns the ids that got their rows (`add_children_many` for the rest of the contract).
-        `asked_at`: (`a.moves`, the nodes' rows) when they were asked; while no row has moved since, those
-        rows are used as they are (no lookup: nothing was pruned either, a prune moves rows).
+        `asked_at`: (`a.layout`, the nodes' rows) when they were asked; while no row has moved since, those
+        rows are used as they are (no lookup: nothing was pruned either, a prune moves rows; another tree, of a
+        request id used again, has another stamp).
 
             ask rows of 5, 7; a result prunes 7; add_asked([5, 7], rows) -> [5]: 5's children added, 7's dropped
         """
         a = self.a
         ids = np.asarray(node_ids, np.int64)
-        if asked_at is not None and asked_at[0] == a.moves and len(asked_at[1]) == len(ids):
+        if asked_at is not None and asked_at[0] == a.layout and len(asked_at[1]) == len(ids):
             prow, live = asked_at[1], None
         else:
             prow, live = self.rows(ids)

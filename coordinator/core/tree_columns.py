@@ -11,6 +11,7 @@ node, rows in id order (row 0 is the root), so the hot path works on whole colum
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 NO_TOKEN = -1          # target_next not known yet; best_child: no child
+_LAYOUTS = itertools.count(1)   # NodeArrays.layout stamps
 
 
 class Tree(Protocol):
@@ -49,7 +51,8 @@ class NodeArrays:
     def __init__(self, capacity: int = 256) -> None:
         self._buf = {c: np.empty(capacity, t) for c, t in self.COLUMNS.items()}
         self.n = 0
-        self.moves = 0      # times rows moved (`keep`, `reset`): rows read at an equal count are still valid
+        self.layout = next(_LAYOUTS)   # a stamp, new whenever rows move (`keep`, `reset`) and never the same
+        # for two trees: rows read under an equal stamp are still the same nodes' rows
         # id -> row: _where[1 + id - base] for ids from base (the first live id) to the last; -1 where not
         # live, and -1 at both ends (index 0 and the last), so a clipped lookup of any id is one `take`. Ids
         # live in a span the request's counter handed out since its root was made, so it stays small.
@@ -101,7 +104,7 @@ class NodeArrays:
     def keep(self, rows: np.ndarray) -> None:
         """Keep only these rows (ascending), in place."""
         k = len(rows)
-        self.moves += 1
+        self.layout = next(_LAYOUTS)
         if self.n:
             self._where[1:int(self.id[-1]) - self.base + 2] = -1
         for b in self._buf.values():
@@ -118,7 +121,7 @@ class NodeArrays:
     def reset(self, node_id: int, token: int, depth: int) -> None:
         """One root node (parent -1, score 0, nothing known of it) in place of every row: a restart's bonus,
         written in place (what `clear` then `append` do, without their whole-column work)."""
-        self.moves += 1
+        self.layout = next(_LAYOUTS)
         if self.n:
             self._where[1:int(self.id[-1]) - self.base + 2] = -1
         for c, value in (("id", node_id), ("parent", -1), ("token", token), ("depth", depth), ("score", 0.0),

@@ -101,17 +101,18 @@ def test_add_asked_adds_a_top_k_for_asked_nodes_and_drops_the_rows_of_pruned_one
 
 
 def test_add_asked_uses_the_rows_of_the_ask_only_while_no_row_has_moved():
-    """`asked_at` = (`a.moves`, rows) from the ask: used as the nodes' rows while no row has moved since (the
+    """`asked_at` = (`a.layout`, rows) from the ask: used as the nodes' rows while no row has moved since (the
     children land below the right nodes); after a commit moved the rows, the ids are looked up again, so
-    stale rows are never used and a node pruned meanwhile is dropped."""
+    stale rows are never used and a node pruned meanwhile is dropped. A new tree (a request id used again)
+    never shares a stamp with an old one."""
     from coordinator.core.proposals import ProposalRows
     t = make_tree()
     assert t.add_children(0, [(7, -0.5), (8, -1.0)]) == [1, 2]
     rows = np.array([t.row(1), t.row(2)])
     t.ask(rows, root_parent=-1)
-    at = (t.a.moves, rows)
+    at = (t.a.layout, rows)
     t.add_children(0, [(9, -2.0)])                          # rows appended at the end: none moves
-    assert t.a.moves == at[0]
+    assert t.a.layout == at[0]
     top = ProposalRows.full(np.array([[3, 4], [5, 6]]), np.array([[-0.1, -0.2], [-0.3, -0.4]]))
     assert t.add_asked([1, 2], top, asked_at=at) == [1, 2]
     assert t.nodes[1].children == [4, 5] and t.nodes[2].children == [6, 7]
@@ -120,12 +121,13 @@ def test_add_asked_uses_the_rows_of_the_ask_only_while_no_row_has_moved():
     # would now point at other nodes
     rows = np.array([t.row(4), t.row(6)])
     t.ask(rows, root_parent=-1)
-    at = (t.a.moves, rows)
+    at = (t.a.layout, rows)
     t.a.injected[t.row(2)] = True
     t.commit(2)
-    assert t.a.moves == at[0] + 1 and t.row(6) != rows[1]
+    assert t.a.layout != at[0] and t.row(6) != rows[1]
     assert t.add_asked([4, 6], ProposalRows.full(np.array([[1, 2], [3, 4]]), np.zeros((2, 2))), asked_at=at) == [6]
     assert [t.nodes[i].token for i in t.nodes[6].children] == [3, 4]
+    assert make_tree().a.layout not in (t.a.layout, at[0])
 
 
 def test_select_layer_takes_only_children_of_the_deepest_injected_layer():

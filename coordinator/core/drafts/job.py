@@ -61,7 +61,7 @@ class DraftJob:
     tree_nodes: dict[str, list[int]] = field(default_factory=dict)   # request -> the tree nodes expanded: the
     # last rows of its expansion (the rows before are committed nodes the draft had not computed)
     asked_at: dict[str, tuple[int, np.ndarray]] = field(default_factory=dict)   # request -> (its tree's
-    # `NodeArrays.moves`, [len(tree_nodes)] the nodes' rows) when asked (TokenTree.add_asked)
+    # `NodeArrays.layout`, [len(tree_nodes)] the nodes' rows) when asked (TokenTree.add_asked)
 
     @property
     def requests(self) -> set[str]:

@@ -95,7 +95,7 @@ class DraftBeside:
                 rows = tree.expand_rows(width, limit, state.request.eos_ids, spine_lead=lead)
             if len(rows):
                 self._ask(job, request_id, *tree.ask(rows, state.root_parent))
-                job.asked_at[request_id] = (tree.a.moves, rows)
+                job.asked_at[request_id] = (tree.a.layout, rows)
         if job.ops or job.begin or job.expand:
             return job
         self._dispatch()                  # nothing to compute: the rounds counted down may free a request
