@@ -191,13 +191,9 @@ class TokenTree(TreeSelection):
         """
         a = self.a
         ids = np.asarray(node_ids, np.int64)
-        if asked_at is not None and asked_at[0] == a.layout and len(asked_at[1]) == len(ids):
-            prow, live = asked_at[1], None
-        else:
-            prow, live = self.rows(ids)
-        if first or (live is not None and not live.all()):
-            if live is None:
-                live = np.ones(len(ids), bool)
+        kept = asked_at is not None and not first and asked_at[0] == a.layout and len(asked_at[1]) == len(ids)
+        prow, live = (asked_at[1], None) if kept else self.rows(ids)
+        if not kept and (first or not live.all()):
             at = live.nonzero()[0]
             ids = ids[at]
             proposals = proposals.select(at + first) if isinstance(proposals, ProposalRows) else \
