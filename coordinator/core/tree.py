@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from coordinator.core.proposals import ProposalRows
-from coordinator.core.tree_columns import NO_TOKEN, NodeArrays, NodeTable, NodeView
+from coordinator.core.tree_columns import NO_ROW, NO_TOKEN, NodeArrays, NodeTable, NodeView
 from coordinator.core.tree_select import TreeSelection
 
 
@@ -145,7 +145,7 @@ class TokenTree(TreeSelection):
         prow, live = self.rows(parent_ids)
         if not live.all():
             raise KeyError(f"not in the tree: {parent_ids[~live].tolist()}")
-        fresh = (self.a.best_child[prow] == NO_TOKEN).all() and len(set(parent_ids.tolist())) == len(parent_ids)
+        fresh = (self.a.best_row[prow] == NO_ROW).all() and len(set(parent_ids.tolist())) == len(parent_ids)
         m, k = rows.tokens.shape
         self.a.expanded[prow] = True
         self.a.asked[prow] = False
@@ -161,18 +161,19 @@ class TokenTree(TreeSelection):
         if first <= self.a.id[-1]:
             raise ValueError(f"new node id {first} is not above every live id (last {int(self.a.id[-1])})")
         ids = np.arange(first, first + total, dtype=np.int64)
+        n = self.a.n                                                        # the first new row
         scores = self.a.score[prow][:, None] + rows.logps                    # [m, k] cumulative
         which = np.nonzero(valid)                                          # row-major: proposal order
         self.a.append(ids, parent_ids[which[0]], rows.tokens[which], self.a.depth[prow][which[0]] + 1,
                       scores[which])                     # rows of the old nodes do not move
-        # the best child of each parent: the first best score in its row (ids grow along a row)
+        # the best child of each parent: the first best score in its row (ids, and rows, grow along a row)
         ranked = np.where(valid, scores, -np.inf)
         col = ranked.argmax(axis=1)
         got = valid.any(axis=1)
-        cell_id = (np.cumsum(valid.ravel()) - 1 + first).reshape(valid.shape)
-        best = cell_id[np.arange(len(col)), col]
+        cell_row = (np.cumsum(valid.ravel()) - 1 + n).reshape(valid.shape)
+        best = cell_row[np.arange(len(col)), col]
         if fresh:
-            self.a.best_child[prow[got]] = best[got]
+            self.a.best_row[prow[got]] = best[got]
         else:
             for r, b, sc in zip(prow[got].tolist(), best[got].tolist(), ranked.max(axis=1)[got].tolist()):
                 self._offer_best(r, b, sc)
@@ -218,20 +219,20 @@ class TokenTree(TreeSelection):
         if first <= self.a.id[-1]:
             raise ValueError(f"new node id {first} is not above every live id (last {int(self.a.id[-1])})")
         ids = np.arange(first, first + m * k, dtype=np.int64)
+        n = self.a.n                                                        # the first new row
         scores = self.a.score[prow][:, None] + rows.logps                    # [m, k] cumulative
         self.a.append(ids, parent_ids.repeat(k), rows.tokens.ravel(), (self.a.depth[prow] + 1).repeat(k),
                       scores.ravel())
-        self.a.best_child[prow] = ids[::k] + scores.argmax(axis=1)          # the first best of each row
+        self.a.best_row[prow] = np.arange(n, n + m * k, k) + scores.argmax(axis=1)   # the first best of each row
         return ids
 
     def _offer_best(self, r: int, cand: int, score: float) -> None:
-        """Make `cand` the best child of row r if it beats the current one by (score, -id)."""
-        old = int(self.a.best_child[r])
-        if old != NO_TOKEN:
-            o = self.row(old)
-            if (self.a.score[o], -old) >= (score, -cand):
-                return
-        self.a.best_child[r] = cand
+        """Make row `cand` the best child of row r if it beats the current one by (score, -id) (rows are in
+        id order: -row orders as -id)."""
+        old = int(self.a.best_row[r])
+        if old != NO_ROW and (self.a.score[old], -old) >= (score, -cand):
+            return
+        self.a.best_row[r] = cand
 
     def _first_proposals(self, parent_ids: np.ndarray, rows: ProposalRows, valid: np.ndarray) -> np.ndarray:
         """The cold path of add_children_many: drop tokens already below the parent (or earlier in the rows
@@ -331,7 +332,7 @@ class TokenTree(TreeSelection):
         up = self.rows(a.parent)[0]
         up[0] = 0                                  # the root's parent: itself (every jump stops there)
         at = np.arange(len(climb))
-        todo = climb.clip(0)
+        todo = np.maximum(climb, 0)
         for jump in range(int(todo.max()).bit_length()):    # jumps of 2 ** jump layers where that bit is set
             if jump:
                 up = up.take(up)
@@ -390,5 +391,7 @@ class TokenTree(TreeSelection):
         """(ids, parents, positions, tokens) of live rows (`select_rows`' or `expand_rows`' answer), as
         `segment_rows` gives for ids."""
         a = self.a
-        parents = np.where(rows == 0, root_parent, a.parent[rows])
-        return a.id[rows].tolist(), parents.tolist(), a.depth[rows].tolist(), a.token[rows].tolist()
+        parents = a.parent[rows].tolist()
+        if parents and min(parents) < 0:           # the root's row (the only parent -1)
+            parents[parents.index(-1)] = root_parent
+        return a.id[rows].tolist(), parents, a.depth[rows].tolist(), a.token[rows].tolist()

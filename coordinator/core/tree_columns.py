@@ -18,7 +18,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-NO_TOKEN = -1          # target_next not known yet; best_child: no child
+NO_TOKEN = -1          # target_next not known yet
+NO_ROW = -1            # best_row: no child
 _LAYOUTS = itertools.count(1)   # NodeArrays.layout stamps
 
 
@@ -46,7 +47,7 @@ class NodeArrays:
                "expanded": np.bool_,      # [n] the draft has proposed this node's children
                "asked": np.bool_,         # [n] a draft job in flight computes this node's children
                "target_next": np.int64,   # [n] the target's token after this node (NO_TOKEN: not known yet)
-               "best_child": np.int64}    # [n] id of the best child by (score, -id) (NO_TOKEN: none)
+               "best_row": np.int64}      # [n] row of the best child by (score, -id) (NO_ROW: none)
 
     def __init__(self, capacity: int = 256) -> None:
         self._buf = {c: np.empty(capacity, t) for c, t in self.COLUMNS.items()}
@@ -61,8 +62,10 @@ class NodeArrays:
         self._views()
 
     def _views(self) -> None:
-        for c, b in self._buf.items():
-            setattr(self, c, b[:self.n])
+        n, b = self.n, self._buf      # (spelled out: this runs on every append and commit)
+        self.id, self.parent, self.token, self.depth = b["id"][:n], b["parent"][:n], b["token"][:n], b["depth"][:n]
+        self.score, self.injected, self.expanded = b["score"][:n], b["injected"][:n], b["expanded"][:n]
+        self.asked, self.target_next, self.best_row = b["asked"][:n], b["target_next"][:n], b["best_row"][:n]
 
     def where(self, ids: np.ndarray) -> np.ndarray:
         """[len(ids)] the row of each id, -1 for an id that is not live."""
@@ -88,7 +91,11 @@ class NodeArrays:
             grown = np.full(max(2 * len(self._where), span + 2), -1, np.int64)
             grown[:len(self._where)] = self._where
             self._where = grown
-        self._where[np.asarray(ids) - (self.base - 1)] = np.arange(n, n + m)
+        lo = int(ids[0]) - self.base + 1
+        if span + 1 - lo == m:                        # consecutive ids (a draft's proposals): a slice
+            self._where[lo:lo + m] = np.arange(n, n + m)
+        else:
+            self._where[np.asarray(ids) - (self.base - 1)] = np.arange(n, n + m)
         if n + m > len(self._buf["id"]):
             grow = max(2 * len(self._buf["id"]), n + m)
             for c, b in self._buf.items():
@@ -96,24 +103,28 @@ class NodeArrays:
                 self._buf[c][:n] = b[:n]
         for c, values in (("id", ids), ("parent", parents), ("token", tokens), ("depth", depths),
                           ("score", scores), ("injected", False), ("expanded", False), ("asked", False),
-                          ("target_next", NO_TOKEN), ("best_child", NO_TOKEN)):
+                          ("target_next", NO_TOKEN), ("best_row", NO_ROW)):
             self._buf[c][n:n + m] = values
         self.n = n + m
         self._views()
 
     def keep(self, rows: np.ndarray) -> None:
-        """Keep only these rows (ascending), in place."""
-        k = len(rows)
+        """Keep only these rows (ascending), in place; a best child that is not kept becomes NO_ROW."""
+        k, n = len(rows), self.n
         self.layout = next(_LAYOUTS)
-        if self.n:
+        if n:
             self._where[1:int(self.id[-1]) - self.base + 2] = -1
         for b in self._buf.values():
             b[:k] = b[rows]
         self.n = k
         self._views()
         if k:
+            new_rows = np.arange(k)
+            remap = np.full(n + 1, NO_ROW, np.int64)       # old row -> new row; [-1] (for NO_ROW): NO_ROW
+            remap[rows] = new_rows
+            self.best_row[:] = remap.take(self.best_row)
             self.base = int(self.id[0])
-            self._where[self.id - (self.base - 1)] = np.arange(k)
+            self._where[self.id - (self.base - 1)] = new_rows
 
     def clear(self) -> None:
         self.keep(np.zeros(0, np.int64))
@@ -126,7 +137,7 @@ class NodeArrays:
             self._where[1:int(self.id[-1]) - self.base + 2] = -1
         for c, value in (("id", node_id), ("parent", -1), ("token", token), ("depth", depth), ("score", 0.0),
                          ("injected", False), ("expanded", False), ("asked", False), ("target_next", NO_TOKEN),
-                         ("best_child", NO_TOKEN)):
+                         ("best_row", NO_ROW)):
             self._buf[c][0] = value
         self.base, self._where[1], self.n = node_id, 0, 1
         self._views()

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from coordinator.core.tree_columns import NO_TOKEN, NodeArrays, NodeView
+from coordinator.core.tree_columns import NO_ROW, NodeArrays, NodeView
 from coordinator.core.vocabulary import TREE_POLICIES
 
 
@@ -106,12 +106,13 @@ class TreeSelection:
             chosen.append(0)
         if spine_lead > 0:
             r, limit = 0, int(a.depth[0]) + spine_lead
-            while len(chosen) < width and a.best_child[r] != NO_TOKEN and a.depth[r] < limit:
-                r = self.row(int(a.best_child[r]))
-                if max_depth is not None and a.depth[r] > max_depth:
+            best_row, depth, injected = a.best_row, a.depth, a.injected
+            while len(chosen) < width and best_row[r] != NO_ROW and depth[r] < limit:
+                r = best_row[r]
+                if max_depth is not None and depth[r] > max_depth:
                     break
-                if not a.injected[r]:
-                    a.injected[r] = True
+                if not injected[r]:
+                    injected[r] = True
                     chosen.append(r)
         left = width - len(chosen)
         if left > 0:
@@ -155,9 +156,10 @@ class TreeSelection:
         """The row of the first unexpanded node on the chain of best children from the root, if within
         `lead` layers."""
         a = self.a
-        r = 0
-        while a.expanded[r] and a.best_child[r] != NO_TOKEN:
-            r = self.row(int(a.best_child[r]))
+        r, best, expanded = 0, a.best_row, a.expanded
+        while expanded[r] and best[r] != NO_ROW:
+            r = best[r]
+        r = int(r)
         return r if a.depth[r] - a.depth[0] < lead and not a.expanded[r] else None
 
     def _best(self, rows: np.ndarray, k: int, injected_first: bool = False) -> np.ndarray:
@@ -168,10 +170,7 @@ class TreeSelection:
         a = self.a
         neg = -a.score[rows]
         if len(rows) > k:
-            part = neg.copy()
-            part.partition(k - 1)
-            kth = part[k - 1]
-            keep = neg <= kth
+            keep = neg <= np.partition(neg, k - 1)[k - 1]
             rows, neg = rows[keep], neg[keep]
         # (rows are in id order: the row itself is the id's tie-break)
         keys = (rows, a.depth[rows]) + ((~a.injected[rows],) if injected_first else ()) + (neg,)

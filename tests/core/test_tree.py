@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.core.tree import TokenTree
-from coordinator.core.tree_columns import NodeArrays
+from coordinator.core.tree_columns import NO_ROW, NodeArrays
 from coordinator.core.vocabulary import TREE_POLICIES
 from helpers.ids import id_counter
 
@@ -84,7 +84,7 @@ def test_add_asked_adds_a_top_k_for_asked_nodes_and_drops_the_rows_of_pruned_one
     assert t.nodes[1].children == [3, 4] and t.nodes[2].children == [5, 6]
     assert t.nodes[1].expanded and not t.nodes[1].asked
     assert t.nodes[6].score == pytest.approx(-1.4) and t.nodes[6].depth == 2
-    assert t.nodes[1].target_next is None and t.a.best_child[t.row(1)] == 3
+    assert t.nodes[1].target_next is None and t.a.best_row[t.row(1)] == t.row(3)
     # 3, 4 and 5 asked; a hit on 2 prunes 1's subtree (3, 4) while the job runs: only 5's row is kept; the
     # first row belongs to a committed node the draft had not computed (`unseen`)
     t.ask(np.array([t.row(3), t.row(4), t.row(5)]), root_parent=-1)
@@ -362,6 +362,12 @@ def test_random_operations_keep_invariants(data):
             if n.injected:
                 assert t.nodes[n.parent].injected
             assert not n.committed
+        for i, n in t.nodes.items():      # best_row: the row of the child best by (score, -id), through moves
+            best = int(t.a.best_row[t.row(i)])
+            if n.children:
+                assert int(t.a.id[best]) == max(n.children, key=lambda c: (t.nodes[c].score, -c))
+            else:
+                assert best == NO_ROW
 
 
 def test_hybrid_takes_the_spine_to_the_horizon_then_fills_best_first() -> None:

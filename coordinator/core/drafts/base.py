@@ -22,6 +22,7 @@ replacement) — in that order, with scores that never increase along it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -38,6 +39,42 @@ class DraftNode(NamedTuple):
     parent_id: int
     position: int
     token: int
+
+
+class DraftNodes(Sequence[DraftNode]):
+    """The nodes a job asks a request's draft to expand: committed nodes the draft has not computed (`head`),
+    then tree nodes given as columns, made into `DraftNode`s only when first read — on the draft's side, not
+    on the control plane's hot path where the job is made.
+
+        DraftNodes([], [7, 8], [5, 5], [12, 12], [40, 41])[1] == DraftNode(8, 5, 12, 41)
+    """
+    __slots__ = ("_head", "_columns", "_nodes")
+
+    def __init__(self, head: list[DraftNode], node_ids: list[int], parent_ids: list[int], positions: list[int],
+                 tokens: list[int]) -> None:
+        self._head = head
+        self._columns = (node_ids, parent_ids, positions, tokens)
+        self._nodes: list[DraftNode] | None = None
+
+    def _all(self) -> list[DraftNode]:
+        if self._nodes is None:
+            self._nodes = self._head + list(map(DraftNode, *self._columns))
+        return self._nodes
+
+    def __len__(self) -> int:
+        return len(self._head) + len(self._columns[0])
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self._all()[i]
+
+    def __iter__(self) -> Iterator[DraftNode]:
+        return iter(self._all())
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == list(other) if isinstance(other, (list, DraftNodes)) else NotImplemented
+
+    def __repr__(self) -> str:
+        return f"DraftNodes({self._all()!r})"
 
 
 # per node, its children (token, log-prob) best first: a list of lists, or the same as arrays (ProposalRows)
@@ -87,9 +124,9 @@ class DraftSource(ABC):
         return out
 
     @abstractmethod
-    def expand(self, request_id: str, nodes: list[DraftNode], k: int) -> Proposals: ...
+    def expand(self, request_id: str, nodes: Sequence[DraftNode], k: int) -> Proposals: ...
 
-    def expand_many(self, jobs: list[tuple[str, list[DraftNode]]], k: int) -> list[Proposals | Exception]:
+    def expand_many(self, jobs: list[tuple[str, Sequence[DraftNode]]], k: int) -> list[Proposals | Exception]:
         out: list[Proposals | Exception] = []
         for request_id, nodes in jobs:
             try:

@@ -26,6 +26,7 @@ the bench charges model calls as for `quant`; the n-gram runs no model and adds 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -83,13 +84,13 @@ class CombinedDraft(DraftSource):
                 self.merged.add(request_id)
         return out
 
-    def expand(self, request_id: str, nodes: list[DraftNode], k: int) -> Proposals:
+    def expand(self, request_id: str, nodes: Sequence[DraftNode], k: int) -> Proposals:
         result = self.expand_many([(request_id, nodes)], k)[0]
         if isinstance(result, Exception):
             raise result
         return result
 
-    def expand_many(self, jobs: list[tuple[str, list[DraftNode]]], k: int) -> list[Proposals | Exception]:
+    def expand_many(self, jobs: list[tuple[str, Sequence[DraftNode]]], k: int) -> list[Proposals | Exception]:
         """The n-gram's proposals first (cheap), then one model call that also scores them."""
         failed: dict[int, Exception] = {}
         extra: list[list[list[int]]] = []

@@ -22,6 +22,7 @@ expansion becomes that request's error; one from a whole model call, the error o
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -55,7 +56,8 @@ class DraftJob:
     begin: list[tuple[str, list[int], Sampling, bool]] = field(default_factory=list)
     rows: dict[str, tuple[int, int]] = field(default_factory=dict)   # request -> the prompt rows [a, b) to
     # prefill now (DraftSource.begin_many); absent: all of them
-    expand: list[tuple[str, list[DraftNode]]] = field(default_factory=list)
+    expand: list[tuple[str, Sequence[DraftNode]]] = field(default_factory=list)   # request -> its nodes to
+    # expand, in order (DraftNodes: made into tuples when the draft reads them)
     topk: int = 1
     keep_q: set[str] = field(default_factory=set)     # requests whose expanded nodes' q is taken (rejection)
     tree_nodes: dict[str, list[int]] = field(default_factory=dict)   # request -> the tree nodes expanded: the

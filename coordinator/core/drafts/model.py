@@ -9,6 +9,7 @@ StageRunner as the stages, so the draft's KV cache holds nodes and follows commi
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -88,13 +89,13 @@ class ModelDraft(DraftSource):
             run()
         return [failed.get(request_id) for request_id, *_ in jobs]
 
-    def expand(self, request_id: str, nodes: list[DraftNode], k: int) -> Proposals:
+    def expand(self, request_id: str, nodes: Sequence[DraftNode], k: int) -> Proposals:
         result = self.expand_many([(request_id, nodes)], k)[0]
         if isinstance(result, Exception):
             raise result
         return result
 
-    def expand_many(self, jobs: list[tuple[str, list[DraftNode]]], k: int,
+    def expand_many(self, jobs: list[tuple[str, Sequence[DraftNode]]], k: int,
                     extra: list[list[list[int]]] | None = None) -> list[Proposals | Exception]:
         """One forward of the draft over the nodes of every request in `jobs`; each request's proposals as
         ProposalRows (one row per node, in the order given; a row the draft dropped is empty).

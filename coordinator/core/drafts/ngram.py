@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from collections.abc import Sequence
 
 from common.sampling import GREEDY, Sampling
 
@@ -31,7 +32,7 @@ class NgramDraft(DraftSource):
         self.committed[request_id] = list(prompt_ids)
         self.committed_ids[request_id] = set(range(len(prompt_ids)))
 
-    def expand(self, request_id: str, nodes: list[DraftNode], k: int) -> Proposals:
+    def expand(self, request_id: str, nodes: Sequence[DraftNode], k: int) -> Proposals:
         started = time.perf_counter()
         table, history = self.tokens[request_id], self.committed[request_id]
         done = self.committed_ids[request_id]

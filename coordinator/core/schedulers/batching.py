@@ -221,7 +221,8 @@ class BatchingScheduler(Scheduler):
             self._turn += 1
         prefilling = [r for r in self.requests if r in self.prefill_next]      # oldest first
         running = [r for r in request_ids if r not in self.prefill_next and self._ready(self.requests[r])]
-        running.sort(key=lambda r: -self._row_value(self.requests[r]))      # stable: round-robin among equals
+        if len(running) > 1:
+            running.sort(key=lambda r: -self._row_value(self.requests[r]))  # stable: round-robin among equals
         if not prefilling and not running:
             return []
         share = self._share()

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from coordinator.core.drafts.base import DraftNode
+from coordinator.core.drafts.base import DraftNode, DraftNodes
 from coordinator.core.drafts.job import DraftJob, DraftOp, DraftResults
 from coordinator.core.schedulers.base import RequestState
 
@@ -106,8 +106,7 @@ class DraftBeside:
         """Add the expansion of these tree nodes (marked asked: `TokenTree.ask`) to the job, behind the
         committed nodes the draft has not computed yet (`unseen`)."""
         state = self.requests[request_id]
-        fresh = list(map(DraftNode, nodes, parents, positions, tokens))
-        job.expand.append((request_id, self.unseen.pop(request_id, []) + fresh))
+        job.expand.append((request_id, DraftNodes(self.unseen.pop(request_id, []), nodes, parents, positions, tokens)))
         job.tree_nodes[request_id] = nodes
         if self._rejection(state):
             job.keep_q.add(request_id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from common.sampling import Sampling
 
+from coordinator.core.drafts.base import DraftNode, DraftNodes
 from coordinator.core.drafts.job import DraftJob, DraftOp, OpKind
 from coordinator.core.drafts.model import ModelDraft, quantized_copy
 
@@ -44,3 +45,15 @@ def test_a_release_whose_kv_release_fails_still_forgets_the_sampling_state(tiny_
     results = DraftJob(ops=[DraftOp(OpKind.RELEASE, "a")]).run(draft)
     assert set(results.errors) == {"a"}
     assert not draft.sampling and not draft._q
+
+
+def test_draft_nodes_reads_as_the_list_of_head_then_columns():
+    """A job's nodes to expand: committed nodes the draft has not computed, then tree nodes given as columns;
+    read, compared and measured as the list of DraftNode tuples they stand for."""
+    head = [DraftNode(3, 2, 3, 9)]
+    nodes = DraftNodes(head, [7, 8], [3, 3], [4, 4], [40, 41])
+    assert len(nodes) == 3 and len(DraftNodes([], [], [], [], [])) == 0
+    expected = [DraftNode(3, 2, 3, 9), DraftNode(7, 3, 4, 40), DraftNode(8, 3, 4, 41)]
+    assert nodes == expected and list(nodes) == expected and nodes[-1] == DraftNode(8, 3, 4, 41)
+    assert nodes[1:] == expected[1:] and [n.node_id for n in nodes] == [3, 7, 8]
+    assert nodes != expected[:2] and DraftNodes([], [7], [3], [4], [40]) == DraftNodes([], [7], [3], [4], [40])
