@@ -170,7 +170,9 @@ class TreeSelection:
         a = self.a
         neg = -a.score[rows]
         if len(rows) > k:
-            keep = neg <= np.partition(neg, k - 1)[k - 1]
+            part = neg.copy()                      # (the method: np.partition's wrapper costs a call)
+            part.partition(k - 1)
+            keep = neg <= part[k - 1]
             rows, neg = rows[keep], neg[keep]
         # (rows are in id order: the row itself is the id's tie-break)
         keys = (rows, a.depth[rows]) + ((~a.injected[rows],) if injected_first else ()) + (neg,)
