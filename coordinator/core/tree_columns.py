@@ -8,6 +8,8 @@ node, rows in id order (row 0 is the root), so the hot path works on whole colum
     a.clear()                                         # no rows
     a.score[a.injected]                               # columns are numpy views of the live rows
     a.where(ids)                                      # rows of ids (-1: not live), by a dense lookup
+    a.best_row[r]                                     # the row of r's best child (NO_ROW: none), remapped
+                                                      # by keep: spine walks follow rows, no id lookups
 """
 from __future__ import annotations
 
