@@ -53,10 +53,7 @@ What it chooses (`Sizer.step`, after every result; `choose` every max(8, 4 S) re
 2. **Measured where it ran, modelled where not** (`expected`): a choice that has run long enough is judged
    by its measured pace (committed tokens per ms between results: `MicroBatch.arrived_ms`); one that has
    not, by the model, scaled by how the choice in use fares against its own model (`calibration`: what the
-   model leaves out, shared cores, lag, refills). A pace last measured more than STALE decision intervals
-   ago (other prompts, other context lengths) is the model's business again, with its margin, and is measured
-   afresh if the choice comes back: on real processes at S=2 a width measured during the warm-up, judged
-   against none's pace on a later, longer prompt, was re-chosen and made one prompt 17% slower than `pp`.
+   model leaves out, shared cores, lag, refills).
 3. **Hysteresis**: a change must promise MARGIN more than the choice in use, UNTRIED more when only the model
    speaks for it. Ties keep the current choice.
 4. **topk by coverage** (`topk_for`, `Coverage`): a node's children are the draft's top-k proposals, and a rank
@@ -102,7 +99,6 @@ EXPLORE = 4.0                          # none is tried unless speculation is pre
 NONE_PACED = 8                         # results measured before none's pace counts (a speculating choice's: half
                                        # a decision interval, as misses come in bursts; none has no misses)
 DRAFT_BOUND = 2.0                      # a start whose draft rounds take this many stage steps is left at once
-STALE = 4                              # decision intervals after which a pace not in use no longer counts as measured
 
 
 def load(requests: float) -> int:
@@ -190,7 +186,6 @@ class Sizer:
         self.choice = sizing.largest
         self.tried = self.trying = False          # none has been tried (is being tried) by `choose`
         self._since = 0                           # results since the last decision
-        self.results = 0                          # results with a clock seen (a pace's age is counted in them)
         self.decided = False                      # the rule has chosen at least once
         self.calibration = 1.0                    # measured / modelled rate of the speculating choice in use
         self._last: float | None = None           # arrival of the previous result under the current choice
@@ -213,7 +208,6 @@ class Sizer:
         the `requests` requests held: the current choice's pace at that load."""
         if arrived_ms <= 0:
             return
-        self.results += 1
         self.held.add(requests)
         if self._skip > 0:                # a micro-batch of the choice before: not this one's pace
             self._skip -= 1
@@ -221,7 +215,7 @@ class Sizer:
             return
         if self._last is not None and arrived_ms >= self._last:
             pace = self.paces.setdefault((self.choice.shape, load(self.held.value)), Pace(1 - 1 / self.every))
-            pace.add(tokens, arrived_ms - self._last, at=self.results)
+            pace.add(tokens, arrived_ms - self._last)
         self._last = arrived_ms
 
     def idle(self) -> None:
@@ -270,20 +264,10 @@ class Sizer:
 
     def measured(self, choice: Choice, requests: int = 1) -> float | None:
         """The choice's measured pace at this load, once it has run long enough: speculating, half a decision
-        interval (misses come in bursts); none, NONE_PACED results or that half interval if shorter. None for
-        a choice not in use whose pace is stale (`_stale`)."""
+        interval (misses come in bursts); none, NONE_PACED results or that half interval if shorter."""
         pace = self.paces.get((choice.shape, load(self.held.value if self.held.n else requests)))
         need = self.every // 2 if choice.speculates else min(self.every // 2, NONE_PACED)
-        if pace is None or pace.n < need or (choice.shape != self.choice.shape and self._stale(pace)):
-            return None
-        return pace.rate
-
-    def _stale(self, pace: Pace) -> bool:
-        """Last measured more than STALE decision intervals of results ago.
-
-            every = 8, the pace's last result the 10th, now the 43rd: 33 > 4 * 8 -> stale
-        """
-        return self.results - pace.at > STALE * self.every
+        return pace.rate if pace is not None and pace.n >= need else None
 
     def expected(self, choice: Choice, requests: int = 1) -> float:
         """Committed tokens per ms to expect: as measured where the choice has run, else the model —
@@ -398,9 +382,6 @@ class Sizer:
             self.choice = choice
             return
         self.choice = choice
-        key = (choice.shape, load(self.held.value)) if self.held.n else None
-        if key in self.paces and self._stale(self.paces[key]):
-            del self.paces[key]                   # back after long: measured afresh, not mixed with the old pace
         self.w_seen = choice.width or self.w_seen
         self._last = None                         # the next interval straddles the change: not counted
         self._skip = self.S                       # nor the S results of micro-batches sent before it

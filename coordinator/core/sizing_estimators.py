@@ -110,13 +110,11 @@ class Pace:
 
     def __init__(self, decay: float) -> None:
         self.decay, self.tokens, self.ms, self.n = decay, 0.0, 0.0, 0
-        self.at = 0                    # the owner's result count at the last add (how old the pace is)
 
-    def add(self, tokens: int, ms: float, at: int = 0) -> None:
+    def add(self, tokens: int, ms: float) -> None:
         self.tokens = self.decay * self.tokens + tokens
         self.ms = self.decay * self.ms + ms
         self.n += 1
-        self.at = at
 
     @property
     def rate(self) -> float:

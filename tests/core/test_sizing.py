@@ -215,45 +215,6 @@ def test_what_ran_is_judged_by_its_measured_pace():
     assert sizer.choose() == NONE
 
 
-def test_a_pace_measured_long_ago_is_judged_by_the_model_and_measured_afresh():
-    """S = 2 (a decision every 8 results: a pace not in use is stale after 4 x 8 = 32 results); stages of 28
-    ms and a draft call of 40 ms whatever the rows, hop 1, control 3, one round pinned: every width's step is
-    max(28 + 1 + 3 / 2, 40, 3) = 40 ms, so the model rates width 32 best (0.8 tokens: 1 per 50 ms); none
-    1 per 2 x 29 = 58 ms. The start (32, 16, 1) is measured at 1 token per 100 ms (calibration 0.5: every
-    width modelled at most as fast), none is tried and measured faster (90 ms): none. Later none slows to
-    115 ms a token (a longer prompt): 13% slower than the start's old pace, more than the 10% margin a
-    measured choice needs, less than the 25% a modelled one needs. By then the old pace is stale, the start
-    is judged by the model (calibrated: 1 per 100 ms) and none is kept. At 200 ms a token none is left (at
-    the decision after its pace falls below 0.01 / 1.25) for the start, whose pace is measured afresh."""
-    sizer = Sizer(2, Sizing.of(0, 16, 1))
-    _teach(sizer, (28.0, 0.0), 1.0, (40.0, 0.0), 3.0, 0.8, [0] * 80 + [1] * 10 + [-1] * 10)
-    start = sizer.choice
-    assert start == Choice(32, 16, 1) and sizer.rate(start) == pytest.approx(0.8 / 40)
-    assert sizer.rate(NONE) == pytest.approx(1 / 58)
-    _pace(sizer, 100.0, 16)                               # results 1..16
-    assert sizer.measured(start) == pytest.approx(0.01)
-    assert sizer.step() == NONE and sizer.trying          # not predicted 4x as fast as none: none is tried
-    assert sizer.calibration == pytest.approx(0.5)
-    t = 1600.0
-
-    def run(ms: float, results: int) -> list[Choice]:
-        nonlocal t
-        seen = []
-        for _ in range(results):
-            t += ms
-            sizer.observe_result(t, 1)
-            seen.append(sizer.step())
-        return seen
-
-    assert run(90.0, 40) == [NONE] * 40 and not sizer.trying     # none measured faster: kept
-    assert sizer.results == 56 and sizer.measured(start) is None  # the start's pace: 40 results old
-    assert sizer.paces[start.shape, 0].rate == pytest.approx(0.01)   # (kept, no longer counted as measured)
-    assert run(115.0, 40) == [NONE] * 40        # were it fresh, 0.01 / 1.1 > 1 / 115 would have left none
-    seen = run(200.0, 8)                        # a decision within 8 results: 0.01 / 1.25 > none's pace now
-    assert seen[-1] == start and sizer.measured(start) is None   # back to the start, its old pace dropped
-    assert (start.shape, 0) not in sizer.paces                   # (measured afresh from here)
-
-
 def test_paces_are_kept_by_load_level():
     assert [load(n) for n in (1, 2, 3, 5, 7, 8, 11, 12)] == [0, 1, 2, 2, 3, 3, 3, 4]
     sizer = _gpu()
