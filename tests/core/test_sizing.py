@@ -215,6 +215,29 @@ def test_what_ran_is_judged_by_its_measured_pace():
     assert sizer.choose() == NONE
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_none_is_left_for_a_measured_width_by_the_untried_margin_where_stages_share_cores(shared):
+    """S = 2; stages of 28 ms and a draft call of 40 ms whatever the rows, hop 1, control 3, one round pinned:
+    every width's step is max(28 + 1 + 3 / 2, 40, 3) = 40 ms and width 32 rates best (0.8 tokens: 1 per 50 ms),
+    none 1 per 2 x 29 = 58 ms; not 4x as fast, so after the start is measured (1 token per 100 ms:
+    calibration 0.5, every width modelled at most as fast) none is tried, and measured at 1 per 114 ms. The
+    start measured 14% faster: apart, a measured choice needs 10% more (0.01 / 1.1 = 0.00909 > 1 / 114 =
+    0.00877): back to it; where stages share cores, 25% (0.01 / 1.25 = 0.008): none is kept."""
+    sizer = Sizer(2, Sizing.of(0, 16, 1), shared=shared)
+    _teach(sizer, (28.0, 0.0), 1.0, (40.0, 0.0), 3.0, 0.8, [0] * 80 + [1] * 10 + [-1] * 10)
+    start = sizer.choice
+    assert sizer.rate(start) == pytest.approx(0.8 / 40) and sizer.rate(NONE) == pytest.approx(1 / 58)
+    _pace(sizer, 100.0, 16)
+    assert sizer.step() == NONE and sizer.trying and sizer.calibration == pytest.approx(0.5)
+    t, seen = 1600.0, []
+    for _ in range(8):                # 2 results of the start's micro-batches, then 4 of none: judged
+        t += 114.0
+        sizer.observe_result(t, 1)
+        seen.append(sizer.step())
+    assert sizer.measured(NONE) == pytest.approx(1 / 114) and not sizer.trying
+    assert seen[-1] == (NONE if shared else start)
+
+
 def test_paces_are_kept_by_load_level():
     assert [load(n) for n in (1, 2, 3, 5, 7, 8, 11, 12)] == [0, 1, 2, 2, 3, 3, 3, 4]
     sizer = _gpu()
