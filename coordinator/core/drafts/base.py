@@ -64,7 +64,7 @@ class DraftNodes(Sequence[DraftNode]):
     def __len__(self) -> int:
         return len(self._head) + len(self._columns[0])
 
-    def __getitem__(self, i):  # type: ignore[override]
+    def __getitem__(self, i: int | slice) -> DraftNode | list[DraftNode]:  # type: ignore[override]
         return self._all()[i]
 
     def __iter__(self) -> Iterator[DraftNode]:
