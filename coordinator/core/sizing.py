@@ -55,10 +55,13 @@ What it chooses (`Sizer.step`, after every result; `choose` every max(8, 4 S) re
    not, by the model, scaled by how the choice in use fares against its own model (`calibration`: what the
    model leaves out, shared cores, lag, refills).
 3. **Hysteresis**: a change must promise MARGIN more than the choice in use, UNTRIED more when only the model
-   speaks for it — and UNTRIED to leave none where stages share cores with the draft (`shared`): there a
-   speculating pace is measured over half a decision interval beside stages it slows, and on real processes
-   at S=4 an 8-result pace of width 1 beat none's by 14%, then ran at 63.5 ms a token against none's 53.1
-   for 51 results. Ties keep the current choice.
+   speaks for it. Where stages share cores with the draft (`shared`), none is left only for a choice that
+   has a measured pace, and only by UNTRIED: there a speculating pace is measured over half a decision
+   interval beside stages it slows (on real processes at S=4 an 8-result pace of width 1 beat none's by 14%,
+   then ran at 63.5 ms a token against none's 53.1 for 51 results), and the calibration carried over from the
+   width that ran flatters a narrower one the model alone speaks for (out of none, width 4 x 1 rode on it and
+   then width 8 x 1 on an 8-result pace: 0.94x `pp`); at a load where nothing speculating has run, none
+   stays. Ties keep the current choice.
 4. **topk by coverage** (`topk_for`, `Coverage`): a node's children are the draft's top-k proposals, and a rank
    the target never takes costs the tree a row and the coordinator its top-k lists, but buys nothing. The
    ranks seen at the roots choose the smallest of 4, 8, 16, ... whose first k ranks hold COVER of the
@@ -357,7 +360,10 @@ class Sizer:
 
         now = self.choice if not self.choice.speculates else \
             Choice(self.choice.width, self.topk_for(self.choice.width), self.choice.rounds)
-        best = max([now] + self.candidates(), key=score)
+        # out of none where stages share cores: only what was measured (the model's calibration, carried over
+        # from the width that ran, is no guide to a width that never ran beside these stages)
+        pool = [c for c in self.candidates() if not leaving_none or self.measured(c, requests) is not None]
+        best = max([now] + pool, key=score)
         if best != self.choice:
             self._switch(best)
         return self.choice

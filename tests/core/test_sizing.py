@@ -274,6 +274,19 @@ def test_a_change_must_promise_more(gain, measured, moves):
     assert sizer.choose() == (other if moves else now)
 
 
+@pytest.mark.parametrize("shared, start_pace, after", [
+    (False, 0.9, "untried"),          # apart: the model speaks for width 4 x 1 (2x none's pace, 25% needed)
+    (True, 0.9, "none"),              # shared: only a measured choice may leave none
+    (True, 1.2, "none"),              # ... and only by 25% (the start measured 20% faster: not enough)
+    (True, 1.3, "start"),
+])
+def test_out_of_none_where_stages_share_cores_only_a_measured_choice_counts(shared, start_pace, after):
+    start, untried = Choice(32, 16, 2), Choice(4, 4, 1)
+    sizer = Table({NONE: 1.0, start: start_pace, untried: 2.0}, {NONE, start})
+    sizer.shared, sizer.choice = shared, NONE
+    assert sizer.choose() == {"none": NONE, "start": start, "untried": untried}[after]
+
+
 def test_a_draft_bound_start_is_left_for_the_widest_choice_that_keeps_up():
     """The module's step 0, its docstring's example: stages of 50 ms (one bucket seen: flat), draft rounds of
     16 and 32 rows that took 212 and 626 ms. After the first result the start (32, 16, 3) is left for
