@@ -88,15 +88,16 @@ transport without a clock (the in-process driver) leaves the rule at the largest
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections import deque
 
 import numpy as np
 
 # the estimators it measures with; Line and Pace are imported from here too (tests/core/test_sizing.py)
 from coordinator.core.sizing_estimators import MIN_TOPK, Costs, Coverage, Ewma, Line, Pace
+# what it chooses among and tells (imported from here too)
+from coordinator.core.sizing_choices import AUTO_MAX, NONE, Choice, Sizing, Switch, Why
 
 AUTO_WIDTHS = (1, 2, 4, 8, 16, 32)     # the widths the rule tries (up to Sizing.max_width)
-AUTO_MAX = (32, 16, 3)                 # width, topk, draft rounds when not given: the largest the rule picks
 MARGIN = 0.10                          # a change must promise this much more throughput (measured)
 UNTRIED = 0.25                         # ... and this much when the rule's model is all it has
 EVERY = 8                              # results between decisions
@@ -111,55 +112,6 @@ def load(requests: float) -> int:
     """The load level of a (smoothed) number of requests held, log2 rounded: 1 -> 0, 2 -> 1, 3..5 -> 2,
     6..11 -> 3, ...: 8 clients, whose count dips to 7 between one's finish and its next request, stay at 3."""
     return round(math.log2(max(requests, 1.0)))
-
-
-@dataclass(frozen=True)
-class Choice:
-    """Speculation settings; width 0 = none (plain pipelining, no draft)."""
-    width: int
-    topk: int
-    rounds: int
-
-    @property
-    def speculates(self) -> bool:
-        return self.width > 0
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """(width, rounds): what a pace is kept by (a topk change does not change the pace; rule step 4)."""
-        return self.width, self.rounds
-
-
-NONE = Choice(0, 0, 0)
-
-
-@dataclass(frozen=True)
-class Sizing:
-    """What the rule may choose: values given by the user are pinned, the others range up to AUTO_MAX.
-
-        Sizing.of(width=0, topk=0, rounds=0)  -> all three chosen by the rule, none allowed
-        Sizing.of(width=8, topk=0, rounds=0)  -> width 8 always; topk and rounds chosen
-    """
-    max_width: int
-    max_topk: int
-    max_rounds: int
-    pin_width: bool = False
-    pin_topk: bool = False
-    pin_rounds: bool = False
-
-    @staticmethod
-    def of(width: int, topk: int, rounds: int) -> "Sizing":
-        """From config values where 0 means "chosen by the rule"."""
-        w, k, r = AUTO_MAX
-        return Sizing(width or w, topk or k, rounds or r, width > 0, topk > 0, rounds > 0)
-
-    @property
-    def auto(self) -> bool:
-        return not (self.pin_width and self.pin_topk and self.pin_rounds)
-
-    @property
-    def largest(self) -> Choice:
-        return Choice(self.max_width, self.max_topk, self.max_rounds)
 
 
 class Sizer:
@@ -199,6 +151,8 @@ class Sizer:
         self._skip = 0                            # results still to come of micro-batches of the previous choice
         self.draft_rounds_seen = 0                # draft rounds observed (the first one warms up)
         self.left_start = False                   # step 0 of the rule has looked (and left a draft-bound start)
+        self.switches: deque[Switch] = deque(maxlen=8)   # the latest switches (the engine logs them)
+        self.switched = 0                         # switches so far
 
     # -- what the scheduler sees ---------------------------------------------------------------------
     def observe_stage(self, rows: int, ms: float, speculating: bool = True) -> None:
@@ -319,7 +273,7 @@ class Sizer:
             smaller = self.leave_draft_bound_start()
             if smaller is not None:
                 self._since = 0
-                self._switch(smaller)
+                self._switch(smaller, Why.DRAFT_BOUND)
                 return self.choice
         trial_done = self.trying and self.measured(NONE, requests) is not None
         if self._since >= self.every or (not self.decided and self.ready) or trial_done:
@@ -327,7 +281,7 @@ class Sizer:
             self.choose(requests)
         topk = self.topk_for(self.choice.width)
         if self.choice.speculates and self.choice.topk != topk:    # coverage moved (rule step 4): at once
-            self._switch(Choice(self.choice.width, topk, self.choice.rounds))
+            self._switch(Choice(self.choice.width, topk, self.choice.rounds), Why.COVERAGE)
         return self.choice
 
     def choose(self, requests: int = 1) -> Choice:
@@ -349,7 +303,7 @@ class Sizer:
             best = max(self.expected(c, requests) for c in self.candidates() if c.speculates)
             if best < self.explore * self.rate(NONE, requests):
                 self.tried = self.trying = True
-                self._switch(NONE)
+                self._switch(NONE, Why.TRY_NONE, requests)
                 return self.choice
         leaving_none = self.shared and not self.choice.speculates
 
@@ -365,7 +319,7 @@ class Sizer:
         pool = [c for c in self.candidates() if not leaving_none or self.measured(c, requests) is not None]
         best = max([now] + pool, key=score)
         if best != self.choice:
-            self._switch(best)
+            self._switch(best, Why.FASTER, requests)
         return self.choice
 
     def leave_draft_bound_start(self) -> Choice | None:
@@ -389,7 +343,14 @@ class Sizer:
         return max(smaller, key=lambda x: (x.width, x.rounds)) if smaller else \
             min((x for x in self.candidates() if x.speculates), key=lambda x: (x.width, x.rounds))
 
-    def _switch(self, choice: Choice) -> None:
+    def _switch(self, choice: Choice, why: Why, requests: int = 1) -> None:
+        def pace(c: Choice) -> float | None:
+            rate = self.expected(c, requests) if self.ready else 0.0
+            return 1.0 / rate if rate > 0 else None
+        self.switches.append(Switch(self.choice, choice, why, pace(self.choice), pace(choice),
+                                    self.measured(self.choice, requests) is not None,
+                                    self.measured(choice, requests) is not None))
+        self.switched += 1
         if choice.shape == self.choice.shape:    # topk alone (rule step 4): the same pace goes on
             self.choice = choice
             return

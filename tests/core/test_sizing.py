@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from coordinator.core.sizing import EXPLORE, NONE, Choice, Line, Pace, Sizer, Sizing, load
+from coordinator.core.sizing import EXPLORE, NONE, Choice, Line, Pace, Sizer, Sizing, Why, load
 from coordinator.core import sizing_estimators
 from coordinator.core.sizing_estimators import COVER, HOLD_Z, Coverage
 
@@ -147,7 +147,18 @@ def test_none_is_tried_then_judged_by_its_measured_pace():
     # S = 4 results of the micro-batches sent before the switch, then NONE_PACED (8) measured: none is judged
     # on the 12th result, not before
     assert all(c == NONE for c in seen[:11]) and seen[11].speculates and not sizer.trying
-    assert seen[-1].speculates                        # (the modelled best; width 32 is measured slower)
+    # out of none only a measured choice counts (stages share cores: the default), by 25%: width 32 x 3
+    # rounds, measured at 150 ms a token against none's 200 (33% more), with the topk coverage allows
+    assert seen[-1] == Choice(32, 4, 3)
+    # the switches, for the engine's log: none modelled at 4 x (28.5 + 1) = 118 ms a token (the speculating
+    # costs without control), then measured at 200
+    trial, back = sizer.switches
+    assert (trial.before, trial.after, trial.why) == (Choice(32, 16, 3), NONE, Why.TRY_NONE)
+    assert (trial.before_ms, trial.before_measured) == (pytest.approx(150.0), True)
+    assert (trial.after_ms, trial.after_measured) == (pytest.approx(118.0), False)
+    assert (back.before, back.after, back.why) == (NONE, Choice(32, 4, 3), Why.FASTER)
+    assert (back.before_ms, back.after_ms) == (pytest.approx(200.0), pytest.approx(150.0))
+    assert back.before_measured and back.after_measured and sizer.switched == 2
     assert sizer.choose().speculates                  # none tried once: not again while its pace says no
 
 

@@ -4,6 +4,10 @@ it is left but what the rule learnt, and the request after it is exact."""
 from __future__ import annotations
 
 import pytest
+from prometheus_client import REGISTRY
+from structlog.testing import capture_logs
+
+from coordinator.core.sizing import Why
 
 from coordinator.frontends.service import GenerateInput
 from helpers.reference import hf_greedy
@@ -13,13 +17,31 @@ from helpers.wait import wait_until_empty
 pytestmark = pytest.mark.grpc
 
 
+def _switches() -> dict[str, float]:
+    """specpipe_cost_rule_switches_total{method="specpipe"} by why, as scraped."""
+    return {s.labels["why"]: s.value for m in REGISTRY.collect() if m.name == "specpipe_cost_rule_switches"
+            for s in m.samples if s.name.endswith("_total") and s.labels["method"] == "specpipe"}
+
+
 async def test_the_warm_up_ends_once_the_rule_has_decided_and_leaves_nothing(tiny_model, tiny_hf):
     async with served_coordinator(str(tiny_model), 2, stage_time_ms="5", max_new_tokens_cap=400) as served:
         coord = served.coord
         sizer = coord.engine.scheduler("specpipe").sizer
         assert not sizer.decided
-        seconds = await coord.warm_up(400)
+        before = _switches()
+        with capture_logs() as logs:
+            seconds = await coord.warm_up(400)
         assert seconds > 0 and sizer.decided and not sizer.trying
+        # each of the rule's switches is logged once, in order, and counted by why (none is tried here: the
+        # tiny model's random draft is never predicted 4x as fast)
+        switched = [e for e in logs if e["event"] == "cost rule switched"]
+        assert sizer.switched >= 1 and len(switched) == sizer.switched
+        assert [e["why"] for e in switched] == [s.why.value for s in sizer.switches]
+        assert "trying none" in [e["why"] for e in switched] and switched[-1]["method"] == "specpipe"
+        after = _switches()
+        counted = {why: n - before.get(why, 0.0) for why, n in after.items() if n > before.get(why, 0.0)}
+        assert counted == {why.name.lower(): float(sum(s.why == why for s in sizer.switches)) for why in Why
+                           if why in {s.why for s in sizer.switches}}
         assert coord.engine.active == 0
         await wait_until_empty(served.stages, coord)
         prompt = [5, 6, 7, 8]
