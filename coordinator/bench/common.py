@@ -20,6 +20,7 @@ from services.config import parse_draft_time, parse_stage_time
 
 from coordinator.core.schedulers.registry import Speculation
 from coordinator.core.stats import TTFTPhase
+from coordinator.core.vocabulary import Method
 from coordinator.engine.meter import quantile
 from coordinator.frontends.service import Coordinator, GenerateInput
 
@@ -104,15 +105,15 @@ class BenchConfig:
             raise ValueError("request rates must be above 0 requests per second, and not with --concurrency")
         if not self.variants:
             for m in self.methods:
-                if m == "specpipe":
+                if m == Method.SPECPIPE:
                     extras = [tuple(e) for e in itertools.product(
                         *([("topk", k) for k in self.topks] or [None], [("draft_rounds", r) for r in self.draft_rounds]
                           or [None]))]
                     self.variants += [Variant(m, w, p, tuple(x for x in e if x)) for p in self.policies
                                       for w in self.widths for e in extras]
-                elif m == "sps" and self.sps_ks:
+                elif m == Method.SPS and self.sps_ks:
                     self.variants += [Variant(m, extra=(("sps_k", k),)) for k in self.sps_ks]
-                elif m == "tree" and self.tree_shapes:
+                elif m == Method.TREE and self.tree_shapes:
                     self.variants += [Variant(m, extra=(("tree_nodes", n), ("tree_depth", d)))
                                       for n, d in self.tree_shapes]
                 else:

@@ -23,7 +23,7 @@ from coordinator.bench.common import (OVERRUN, BenchConfig, Regime, Variant, gen
                                       machine_cores, summarize)
 from coordinator.bench.load import level_name, ratios, run_levels
 from coordinator.config import CoordinatorConfig
-from coordinator.core.vocabulary import DRAFTS
+from coordinator.core.vocabulary import DRAFTS, Method
 from coordinator.engine.local import LocalStages
 from coordinator.core.schedulers.registry import Speculation
 from coordinator.frontends.service import Coordinator, ModelParts
@@ -111,7 +111,7 @@ def table(result: dict) -> str:
                      f"{r['throughput_tok_s']:>7.2f} {100 * r['draft_share']:>6.1f}% {ovh:>6} {ctl:>7} {warm:>6}  "
                      f"{flag}")
     lines += ratios(rows)
-    base = {r["stages"]: r["tbt_ms_mean"] for r in rows if r["method"] == "pp" and r["concurrency"] == 1}
+    base = {r["stages"]: r["tbt_ms_mean"] for r in rows if r["method"] == Method.PP and r["concurrency"] == 1}
     for r in rows:
         if r["method"] != "pp" and r["concurrency"] == 1 and r["stages"] in base and r["tbt_ms_mean"]:
             lines.append(f"    S={r['stages']} {r['label']}: {base[r['stages']] / r['tbt_ms_mean']:.2f}x lower "

@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from coordinator.core.tree_columns import NO_ROW, NodeArrays, NodeView
-from coordinator.core.vocabulary import TREE_POLICIES
+from coordinator.core.vocabulary import TREE_POLICIES, TreePolicy
 
 
 class TreeSelection:
@@ -74,11 +74,11 @@ class TreeSelection:
 
     def select_rows(self, policy: str, width: int, max_depth: int | None = None, horizon: int = 1) -> np.ndarray:
         """`select`, as the chosen rows (parents first), for the hot path."""
-        if policy == "layer":
+        if policy == TreePolicy.LAYER:
             return self._layer_rows(width, max_depth)
-        if policy == "best-first":
+        if policy == TreePolicy.BEST_FIRST:
             return self._ahead_rows(width, max_depth)
-        if policy == "hybrid":
+        if policy == TreePolicy.HYBRID:
             return self._ahead_rows(width, max_depth, spine_lead=horizon)
         raise ValueError(f"unknown tree policy {policy!r}; choose from {', '.join(TREE_POLICIES)}")
 

@@ -9,7 +9,7 @@ from coordinator.core.drafts.base import DraftSource
 from coordinator.core.drafts.combined import CombinedDraft
 from coordinator.core.drafts.model import ModelDraft, check_same_tokenizer, quantized_copy
 from coordinator.core.drafts.ngram import NgramDraft
-from coordinator.core.vocabulary import DRAFTS
+from coordinator.core.vocabulary import DRAFTS, DraftKind
 
 
 
@@ -18,14 +18,14 @@ def build_draft(kind: str, target: str, draft_model: str = "", device: str = "cp
     """dtype of a separate draft model: `auto` is bfloat16 on CUDA, float32 elsewhere."""
     if kind not in DRAFTS:
         raise ValueError(f"unknown draft {kind!r}; choose from {', '.join(DRAFTS)}")
-    if kind == "none":
+    if kind == DraftKind.NONE:
         return None
-    if kind == "ngram":
+    if kind == DraftKind.NGRAM:
         return NgramDraft()
     target_ref = resolve_model(target, log=stderr_log)
-    if kind == "quant":
+    if kind == DraftKind.QUANT:
         return ModelDraft(quantized_copy(target_ref, device), name="quant")
-    if kind == "quant+ngram":
+    if kind == DraftKind.QUANT_NGRAM:
         return CombinedDraft(ModelDraft(quantized_copy(target_ref, device), name="quant"), NgramDraft())
     if not draft_model:
         raise ValueError("--draft model needs --draft-model PATH (a Hugging Face folder)")

@@ -182,11 +182,12 @@ class Scheduler(ABC):
                 continue
             if seg.error:
                 where = f"stage {seg.error_stage}: " if seg.error_stage >= 0 else ""   # -1: the coordinator's
-                self._finish(state, "error", error=where + seg.error, error_code=seg.error_code or Status.INTERNAL)
+                self._finish(state, FinishReason.ERROR, error=where + seg.error,
+                             error_code=seg.error_code or Status.INTERNAL)
                 continue
             self._on_segment(state, seg, outputs, logprobs)
 
-    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+    def cancel(self, request_id: str, reason: str = FinishReason.CANCELLED) -> None:
         state = self.requests.get(request_id)
         if state is not None:
             self._finish(state, reason)
@@ -277,10 +278,10 @@ class Scheduler(ABC):
             state.last_commit_step = self._clock
             self._actions.append(Emit(state.request.request_id, tokens))
         if tokens and tokens[-1] in state.request.eos_ids:
-            self._finish(state, "eos")
+            self._finish(state, FinishReason.EOS)
             return False
         if len(state.generated) >= state.request.max_new_tokens:
-            self._finish(state, "length")
+            self._finish(state, FinishReason.LENGTH)
             return False
         self._broadcast(Control(state.request.request_id, commit=node_ids, prune=list(prune)))
         return True

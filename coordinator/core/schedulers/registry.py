@@ -12,7 +12,7 @@ from coordinator.core.schedulers.pp import PPScheduler
 from coordinator.core.schedulers.specpipe import SpecPipeScheduler
 from coordinator.core.schedulers.trip import make_pipeinfer, make_sps, make_tree
 from coordinator.core.sizing import Sizer, Sizing
-from coordinator.core.vocabulary import METHODS, STAGE_HARDWARE, TREE_POLICIES, VERIFIERS, StageHardware
+from coordinator.core.vocabulary import METHODS, STAGE_HARDWARE, TREE_POLICIES, VERIFIERS, Method, StageHardware
 
 
 
@@ -64,11 +64,11 @@ def make_scheduler(method: str, num_stages: int, spec: SpecOptions | None = None
     rounds is left to it, told whether the stages' step times may depend on the draft's work
     (`spec.stage_hardware`: coordinator/core/sizing.py Sizer)."""
     spec = spec or SpecOptions()
-    if method == "pp":
+    if method == Method.PP:
         return PPScheduler(num_stages, spec.prefill_chunk)
-    if method == "cb-pp":
+    if method == Method.CB_PP:
         return CBPPScheduler(num_stages, spec.node_budget, spec.prefill_chunk)
-    if method == "specpipe":
+    if method == Method.SPECPIPE:
         if spec.draft is None:
             raise ValueError("method 'specpipe' needs a draft source (--draft quant|quant+ngram|ngram|model)")
         sizing = Sizing.of(spec.width, spec.topk, spec.draft_rounds)
@@ -80,9 +80,9 @@ def make_scheduler(method: str, num_stages: int, spec: SpecOptions | None = None
     if method in ("sps", "tree", "pipeinfer"):
         if spec.draft is None:
             raise ValueError(f"method {method!r} needs a draft source (--draft quant|quant+ngram|ngram|model)")
-        if method == "sps":
+        if method == Method.SPS:
             return make_sps(num_stages, spec.draft, spec.sps_k, spec.verify, spec.prefill_chunk)
-        if method == "pipeinfer":
+        if method == Method.PIPEINFER:
             return make_pipeinfer(num_stages, spec.draft, spec.pipeinfer_run, spec.pipeinfer_min_prob,
                                   spec.prefill_chunk)
         return make_tree(num_stages, spec.draft, spec.tree_nodes, spec.tree_depth, spec.tree_topk, spec.verify,

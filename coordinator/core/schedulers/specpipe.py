@@ -37,7 +37,7 @@ from coordinator.core.schedulers.specpipe_draft import DraftBeside
 from coordinator.core.sizing import Sizer
 from coordinator.core.stats import SpecCounters
 from coordinator.core.tree import TokenTree
-from coordinator.core.vocabulary import TREE_POLICIES, VERIFIERS
+from coordinator.core.vocabulary import TREE_POLICIES, VERIFIERS, TreePolicy, Verifier
 from coordinator.core.verify import verify_children
 
 
@@ -59,7 +59,7 @@ class SpecPipeScheduler(DraftBeside, BatchingScheduler):
             raise ValueError(f"unknown verifier {verify!r}; choose from {', '.join(VERIFIERS)}")
         self.verify = verify
         self.draft, self.width, self.policy, self.topk = draft, width, policy, topk
-        self.rounds = 1 if policy == "layer" else rounds     # draft calls per step (run-ahead)
+        self.rounds = 1 if policy == TreePolicy.LAYER else rounds     # draft calls per step (run-ahead)
         self.trees: dict[str, TokenTree] = {}
         self.pending: dict[str, int] = {}            # request -> draft rounds still due since its last injection
         self.begun: set[str] = set()                 # requests whose prompt the draft has seen
@@ -73,7 +73,7 @@ class SpecPipeScheduler(DraftBeside, BatchingScheduler):
         self.sizer = sizer if sizer is not None and sizer.sizing.auto else None
         if self.sizer is not None and self.sizer.choice.speculates:     # a sizer that served earlier requests
             self.width, self.topk, self.rounds = self.sizer.choice.width, self.sizer.choice.topk, \
-                1 if policy == "layer" else self.sizer.choice.rounds
+                1 if policy == TreePolicy.LAYER else self.sizer.choice.rounds
         self.plain: set[str] = set()                 # requests served without speculation (the rule chose none)
         self._control_ms = 0.0                       # control time charged since the last result
         self._committed = 0                          # tokens committed, all requests
@@ -103,7 +103,7 @@ class SpecPipeScheduler(DraftBeside, BatchingScheduler):
         if request_id in self.plain:               # one micro-batch at a time, as `pp`
             return state.in_flight == 0
         a = self.trees[request_id].a              # (row 0: the root)
-        cold = self.policy != "layer" and not a.injected[0] and not a.expanded[0]   # a bonus waits for its children
+        cold = self.policy != TreePolicy.LAYER and not a.injected[0] and not a.expanded[0]   # a bonus waits for its children
         return self.pending.get(request_id, 0) < self.rounds and not cold and state.in_flight < self.num_stages
 
     def _share_beside_prompts(self) -> int:
@@ -140,7 +140,7 @@ class SpecPipeScheduler(DraftBeside, BatchingScheduler):
             injected[0] = True
             parents, positions, tokens = tree.segment_rows([tree.root], state.root_parent)
             return Segment(request_id, [tree.root], parents, positions, tokens, [True])
-        if self.policy == "layer" and not injected[0]:
+        if self.policy == TreePolicy.LAYER and not injected[0]:
             injected[0] = True
             rows = np.zeros(1, np.int64)           # the root
         else:
@@ -178,7 +178,7 @@ class SpecPipeScheduler(DraftBeside, BatchingScheduler):
     def _rejection(self, state: RequestState) -> bool:
         """This request samples and is verified by rejection (the last stage ships distributions); a plain
         request takes the target's own draw."""
-        return self.verify == "rejection" and not state.request.sampling.greedy and \
+        return self.verify == Verifier.REJECTION and not state.request.sampling.greedy and \
             state.request.request_id not in self.plain
 
     def _wants_logprobs(self, segments: list[Segment]) -> bool:
@@ -249,7 +249,7 @@ class SpecPipeScheduler(DraftBeside, BatchingScheduler):
             self._dispatch()              # a request waiting for its draft round goes in now, plain
             return
         self.width, self.topk = choice.width, choice.topk
-        self.rounds = 1 if self.policy == "layer" else choice.rounds
+        self.rounds = 1 if self.policy == TreePolicy.LAYER else choice.rounds
         for request_id in self.pending:          # fewer rounds now: none is due beyond them
             self.pending[request_id] = min(self.pending[request_id], self.rounds)
         for request_id in self.plain:
@@ -297,7 +297,7 @@ class SpecPipeScheduler(DraftBeside, BatchingScheduler):
                         state.spec.misses_proposed_not_injected += 1
                     else:
                         state.spec.misses_not_proposed += 1
-                if proposed is not None and self.policy != "layer":
+                if proposed is not None and self.policy != TreePolicy.LAYER:
                     state.spec.warm_restarts += 1
                     node, pruned = proposed, tree.reroot(proposed)
                 else:
@@ -305,7 +305,7 @@ class SpecPipeScheduler(DraftBeside, BatchingScheduler):
                         self.unseen.setdefault(request_id, []).append(DraftNode(root.id, state.root_parent, root.depth,
                                                                          root.token))
                     node, pruned = tree.restart(token)
-                if self.policy != "layer" and not tree.a.expanded[0] and not plain:
+                if self.policy != TreePolicy.LAYER and not tree.a.expanded[0] and not plain:
                     self.pending[request_id] = self.rounds           # the draft expands the new root before it goes in
             if not plain or request_id in self.begun:    # (a request the draft never held: told when it rejoins)
                 if pruned.expanded:

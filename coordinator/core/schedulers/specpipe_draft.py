@@ -34,6 +34,8 @@ import numpy as np
 from coordinator.core.drafts.base import DraftNode, DraftNodes
 from coordinator.core.drafts.job import DraftJob, DraftOp, DraftResults
 from coordinator.core.schedulers.base import RequestState
+from coordinator.core.status import FinishReason, Status
+from coordinator.core.vocabulary import TreePolicy
 
 if TYPE_CHECKING:
     from coordinator.core.drafts.base import DraftSource
@@ -75,7 +77,7 @@ class DraftBeside:
         job = DraftJob(ops=self.draft_ops, topk=self.topk)
         self.draft_ops = []
         width = min(self.width, self._share())
-        lead = self.num_stages if self.policy == "hybrid" else 0
+        lead = self.num_stages if self.policy == TreePolicy.HYBRID else 0
         for request_id in list(self.pending):
             state = self.requests.get(request_id)
             if state is None:
@@ -89,7 +91,7 @@ class DraftBeside:
                 job.begin.append((request_id, state.request.prompt_ids, state.request.sampling, self._rejection(state)))
             tree = self.trees[request_id]
             limit = self._max_depth(state, tree)
-            if self.policy == "layer":
+            if self.policy == TreePolicy.LAYER:
                 rows = tree.expand_rows(tree.a.n, limit, state.request.eos_ids, injected_only=True)
             else:
                 rows = tree.expand_rows(width, limit, state.request.eos_ids, spine_lead=lead)
@@ -166,4 +168,4 @@ class DraftBeside:
             self._draft_now(job)
 
     def _draft_failed(self, state: RequestState, error: Exception) -> None:
-        self._finish(state, "error", error=f"draft failed: {error!r}", error_code=13)
+        self._finish(state, FinishReason.ERROR, error=f"draft failed: {error!r}", error_code=Status.INTERNAL)

@@ -20,6 +20,7 @@ from coordinator.core.drafts.base import DraftSource
 from coordinator.core.drafts.job import DraftJob
 from coordinator.core.schedulers.base import RequestState
 from coordinator.core.schedulers.specpipe import SpecPipeScheduler
+from coordinator.core.vocabulary import TreePolicy
 
 
 class TripScheduler(SpecPipeScheduler):
@@ -108,7 +109,7 @@ class TripScheduler(SpecPipeScheduler):
         grown = 0
         for _ in range(self.rounds):
             take = min(self.per_round, self.budget - grown)
-            grow = tree.select_layer if self.policy == "layer" else tree.select_best_first      # one layer per round
+            grow = tree.select_layer if self.policy == TreePolicy.LAYER else tree.select_best_first      # one layer per round
             picked = [tree.nodes[i] for i in grow(take, max_depth)] if take > 0 else []
             if self.min_logp > -math.inf and picked and grown:     # confidence cut-off (PipeInfer)
                 weak = [n for n in picked if n.score - tree.nodes[n.parent].score < self.min_logp]
