@@ -113,7 +113,7 @@ def table(result: dict) -> str:
     lines += ratios(rows)
     base = {r["stages"]: r["tbt_ms_mean"] for r in rows if r["method"] == Method.PP and r["concurrency"] == 1}
     for r in rows:
-        if r["method"] != "pp" and r["concurrency"] == 1 and r["stages"] in base and r["tbt_ms_mean"]:
+        if r["method"] != Method.PP and r["concurrency"] == 1 and r["stages"] in base and r["tbt_ms_mean"]:
             lines.append(f"    S={r['stages']} {r['label']}: {base[r['stages']] / r['tbt_ms_mean']:.2f}x lower "
                          "time between tokens than pp")
     return "\n".join(lines)

@@ -273,7 +273,7 @@ class Sizer:
             smaller = self.leave_draft_bound_start()
             if smaller is not None:
                 self._since = 0
-                self._switch(smaller, Why.DRAFT_BOUND)
+                self._switch(smaller, Why.DRAFT_BOUND, requests)
                 return self.choice
         trial_done = self.trying and self.measured(NONE, requests) is not None
         if self._since >= self.every or (not self.decided and self.ready) or trial_done:
@@ -281,14 +281,16 @@ class Sizer:
             self.choose(requests)
         topk = self.topk_for(self.choice.width)
         if self.choice.speculates and self.choice.topk != topk:    # coverage moved (rule step 4): at once
-            self._switch(Choice(self.choice.width, topk, self.choice.rounds), Why.COVERAGE)
+            self._switch(Choice(self.choice.width, topk, self.choice.rounds), Why.COVERAGE, requests)
         return self.choice
 
     def choose(self, requests: int = 1) -> Choice:
-        """The best candidate when it beats the current choice by MARGIN (else the current one). Until none has
-        been measured, it is tried (`measured`: for NONE_PACED results) when speculation is not predicted EXPLORE
-        times as fast: its modelled costs are the speculating ones, which overstate it where stages share cores
-        with the draft (`shared`; where they cannot, when the model itself does not favour speculation)."""
+        """The best candidate when it beats the current choice by MARGIN (UNTRIED on the model's word alone;
+        out of none where stages share cores, only a measured candidate, by UNTRIED), else the current one.
+        Until none has been measured, it is tried (`measured`: for NONE_PACED results) when speculation is not
+        predicted EXPLORE times as fast: its modelled costs are the speculating ones, which overstate it where
+        stages share cores with the draft (`shared`; where they cannot, when the model itself does not favour
+        speculation)."""
         if not self.ready or not self.sizing.auto:
             return self.choice
         self.cover = self.coverage.topk(self.cover)
@@ -344,8 +346,9 @@ class Sizer:
             min((x for x in self.candidates() if x.speculates), key=lambda x: (x.width, x.rounds))
 
     def _switch(self, choice: Choice, why: Why, requests: int = 1) -> None:
-        def pace(c: Choice) -> float | None:
-            rate = self.expected(c, requests) if self.ready else 0.0
+        def pace(c: Choice) -> float | None:          # ms per token: measured, else modelled once ready
+            seen = self.measured(c, requests)
+            rate = seen if seen is not None else self.expected(c, requests) if self.ready else 0.0
             return 1.0 / rate if rate > 0 else None
         self.switches.append(Switch(self.choice, choice, why, pace(self.choice), pace(choice),
                                     self.measured(self.choice, requests) is not None,

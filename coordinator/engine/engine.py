@@ -9,6 +9,7 @@ lifecycle methods are in lifecycle.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 import uuid
@@ -27,12 +28,12 @@ from coordinator.core.admission import Admission, kv_need
 from coordinator.core.schedulers.base import Action, Broadcast, Emit, Finish, Inject, Request, Scheduler
 from coordinator.core.stats import RequestStats
 from coordinator.core.schedulers.registry import SpecOptions, make_scheduler
-from coordinator.core.sizing_choices import Choice, Switch
 from coordinator.core.status import FinishReason, Status
 from coordinator.engine.inflight import InFlight, attempt_ids
 from coordinator.engine.lifecycle import EngineLifecycle
 from coordinator.engine.live import Event, LiveRequest, Requests
 from coordinator.engine.meter import timed
+from coordinator.engine.rule_log import log_switches, on_result_switches
 from coordinator.engine.state import REFUSING, EngineState, Unavailable
 from coordinator.engine.transports.base import Transport
 
@@ -40,10 +41,6 @@ log = get_logger(__name__)
 INVALID_RESULTS = Counter("specpipe_invalid_results_total", "Results of the last stage that could not answer the "
                           "micro-batch they came back for (another request's segment, rows not sent, too few tokens, "
                           "NaN): the batch's requests failed, nothing was applied")
-SIZER_SWITCHES = Counter("specpipe_cost_rule_switches_total", "specpipe's cost rule changing its choice "
-                         "(coordinator/core/sizing.py), by why: draft_bound (a start whose draft cannot keep up), "
-                         "try_none (measuring plain pipelining), faster (a choice expected faster), coverage "
-                         "(topk alone)", ["method", "why"])
 
 
 class Engine(EngineLifecycle):
@@ -335,16 +332,17 @@ class Engine(EngineLifecycle):
         """One scheduler's results, in the order they came back."""
         while True:
             batch = await queue.get()
-            invalid = sched.invalid_results
+            invalid, switches = sched.invalid_results, None
             try:
-                for switch in await self._call(sched, _on_result, sched, batch) or ():
-                    _log_switch(sched.name, switch)
+                switches = await self._call(sched, on_result_switches, sched, batch)
                 if sched.invalid_results != invalid:
                     INVALID_RESULTS.inc()
                     log.warning("the last stage answered a micro-batch wrongly: its requests failed",
                                 batch_id=batch.batch_id, fault=sched.last_fault)
             except Exception as e:     # the scheduler failed on this result: its requests' fault
                 self._fail_requests(sched, [s.request_id for s in batch.segments], e)
+            with contextlib.suppress(Exception):    # a log line must not stop this scheduler's results
+                log_switches(sched.name, switches or ())
 
     def _finish(self, action: Finish) -> None:
         done = self._requests.finish(action, time.perf_counter())
@@ -367,29 +365,6 @@ class Engine(EngineLifecycle):
         else:
             log.error("pipeline transport failed", error=str(error))
             self.fail_all(error)
-
-
-def _on_result(sched: Scheduler, batch: MicroBatch) -> list[Switch]:
-    """`sched.on_result(batch)`, and the switches of specpipe's cost rule it made (read under the scheduler's
-    lock, in the call)."""
-    sizer = getattr(sched, "sizer", None)
-    before = sizer.switched if sizer is not None else 0
-    sched.on_result(batch)
-    if sizer is None or sizer.switched == before:
-        return []
-    return list(sizer.switches)[-min(sizer.switched - before, len(sizer.switches)):]
-
-
-def _log_switch(method: str, s: Switch) -> None:
-    """One of the cost rule's switches (a few per pipeline and load: INFO), with the paces it compared."""
-    def named(c: Choice) -> str:
-        return f"width {c.width} x {c.rounds} rounds, topk {c.topk}" if c.speculates else "none"
-
-    def pace(ms: float | None, measured: bool) -> str:
-        return "unknown" if ms is None else f"{ms:.1f} ms/token ({'measured' if measured else 'modelled'})"
-    SIZER_SWITCHES.labels(method, s.why.name.lower()).inc()
-    log.info("cost rule switched", method=method, why=s.why.value, before=named(s.before), after=named(s.after),
-             before_pace=pace(s.before_ms, s.before_measured), after_pace=pace(s.after_ms, s.after_measured))
 
 
 def _log_failure(task: asyncio.Task[Any]) -> None:

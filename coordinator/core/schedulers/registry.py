@@ -77,7 +77,7 @@ def make_scheduler(method: str, num_stages: int, spec: SpecOptions | None = None
             sizer = Sizer(num_stages, sizing, spec.node_budget, shared)
         return SpecPipeScheduler(num_stages, spec.draft, sizing.max_width, spec.tree_policy, sizing.max_topk,
                                  spec.node_budget, spec.verify, sizing.max_rounds, spec.prefill_chunk, sizer)
-    if method in ("sps", "tree", "pipeinfer"):
+    if method in (Method.SPS, Method.TREE, Method.PIPEINFER):
         if spec.draft is None:
             raise ValueError(f"method {method!r} needs a draft source (--draft quant|quant+ngram|ngram|model)")
         if method == Method.SPS:

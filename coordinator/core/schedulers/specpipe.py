@@ -103,7 +103,8 @@ class SpecPipeScheduler(DraftBeside, BatchingScheduler):
         if request_id in self.plain:               # one micro-batch at a time, as `pp`
             return state.in_flight == 0
         a = self.trees[request_id].a              # (row 0: the root)
-        cold = self.policy != TreePolicy.LAYER and not a.injected[0] and not a.expanded[0]   # a bonus waits for its children
+        # a bonus waits for its children
+        cold = self.policy != TreePolicy.LAYER and not a.injected[0] and not a.expanded[0]
         return self.pending.get(request_id, 0) < self.rounds and not cold and state.in_flight < self.num_stages
 
     def _share_beside_prompts(self) -> int:

@@ -109,7 +109,8 @@ class TripScheduler(SpecPipeScheduler):
         grown = 0
         for _ in range(self.rounds):
             take = min(self.per_round, self.budget - grown)
-            grow = tree.select_layer if self.policy == TreePolicy.LAYER else tree.select_best_first      # one layer per round
+            # one layer per round
+            grow = tree.select_layer if self.policy == TreePolicy.LAYER else tree.select_best_first
             picked = [tree.nodes[i] for i in grow(take, max_depth)] if take > 0 else []
             if self.min_logp > -math.inf and picked and grown:     # confidence cut-off (PipeInfer)
                 weak = [n for n in picked if n.score - tree.nodes[n.parent].score < self.min_logp]
