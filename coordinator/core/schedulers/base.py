@@ -187,7 +187,7 @@ class Scheduler(ABC):
                 continue
             self._on_segment(state, seg, outputs, logprobs)
 
-    def cancel(self, request_id: str, reason: str = FinishReason.CANCELLED) -> None:
+    def cancel(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
         state = self.requests.get(request_id)
         if state is not None:
             self._finish(state, reason)
@@ -297,7 +297,7 @@ class Scheduler(ABC):
             return None
         return Segment(state.request.request_id, [node], [parent], [position], [token], [True])
 
-    def _finish(self, state: RequestState, reason: str, error: str = "", error_code: int = 0) -> None:
+    def _finish(self, state: RequestState, reason: FinishReason, error: str = "", error_code: int = 0) -> None:
         request_id = state.request.request_id
         del self.requests[request_id]
         self._broadcast(Control(request_id, release=True))

@@ -173,7 +173,7 @@ class BatchingScheduler(Scheduler):
             self._in_result = False
         self._dispatch()
 
-    def _finish(self, state: RequestState, reason: str, error: str = "", error_code: int = 0) -> None:
+    def _finish(self, state: RequestState, reason: FinishReason, error: str = "", error_code: int = 0) -> None:
         self.prefill_next.pop(state.request.request_id, None)
         super()._finish(state, reason, error, error_code)
         if self.holds_finished_slot and self._in_result and self.in_flight and self.requests and \

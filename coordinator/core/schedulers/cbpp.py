@@ -15,6 +15,7 @@ from common.batch import Segment
 
 from coordinator.core.schedulers.base import RequestState
 from coordinator.core.schedulers.batching import BatchingScheduler
+from coordinator.core.status import FinishReason
 
 
 class CBPPScheduler(BatchingScheduler):
@@ -39,6 +40,6 @@ class CBPPScheduler(BatchingScheduler):
         if row is not None:
             self.next_row[state.request.request_id] = row
 
-    def _finish(self, state: RequestState, reason: str, error: str = "", error_code: int = 0) -> None:
+    def _finish(self, state: RequestState, reason: FinishReason, error: str = "", error_code: int = 0) -> None:
         self.next_row.pop(state.request.request_id, None)
         super()._finish(state, reason, error, error_code)

@@ -36,6 +36,7 @@ from coordinator.core.schedulers.batching import BatchingScheduler
 from coordinator.core.schedulers.specpipe_draft import DraftBeside
 from coordinator.core.sizing import Sizer
 from coordinator.core.stats import SpecCounters
+from coordinator.core.status import FinishReason
 from coordinator.core.tree import TokenTree
 from coordinator.core.vocabulary import TREE_POLICIES, VERIFIERS, TreePolicy, Verifier
 from coordinator.core.verify import verify_children
@@ -185,7 +186,7 @@ class SpecPipeScheduler(DraftBeside, BatchingScheduler):
     def _wants_logprobs(self, segments: list[Segment]) -> bool:
         return any(self._rejection(self.requests[s.request_id]) for s in segments)
 
-    def _finish(self, state: RequestState, reason: str, error: str = "", error_code: int = 0) -> None:
+    def _finish(self, state: RequestState, reason: FinishReason, error: str = "", error_code: int = 0) -> None:
         request_id = state.request.request_id
         self.trees.pop(request_id, None)
         self.pending.pop(request_id, None)

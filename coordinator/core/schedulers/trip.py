@@ -20,6 +20,7 @@ from coordinator.core.drafts.base import DraftSource
 from coordinator.core.drafts.job import DraftJob
 from coordinator.core.schedulers.base import RequestState
 from coordinator.core.schedulers.specpipe import SpecPipeScheduler
+from coordinator.core.status import FinishReason
 from coordinator.core.vocabulary import TreePolicy
 
 
@@ -41,7 +42,7 @@ class TripScheduler(SpecPipeScheduler):
     def kv_rows_per_batch(self) -> int:
         return self.budget + 1
 
-    def _finish(self, state: RequestState, reason: str, error: str = "", error_code: int = 0) -> None:
+    def _finish(self, state: RequestState, reason: FinishReason, error: str = "", error_code: int = 0) -> None:
         self.draft_prefilled.pop(state.request.request_id, None)
         super()._finish(state, reason, error, error_code)
 
