@@ -32,12 +32,12 @@ async def test_the_warm_up_ends_once_the_rule_has_decided_and_leaves_nothing(tin
         with capture_logs() as logs:
             seconds = await coord.warm_up(400)
         assert seconds > 0 and sizer.decided and not sizer.trying
-        # each of the rule's switches is logged once, in order, and counted by why (none is tried here: the
-        # tiny model's random draft is never predicted 4x as fast)
+        # each of the rule's switches over real gRPC is logged once, in order, and counted by why (which ones
+        # depends on the machine's pace: the draft-bound start is left here, then none is tried or not)
         switched = [e for e in logs if e["event"] == "cost rule switched"]
         assert 1 <= sizer.switched <= sizer.switches.maxlen and len(switched) == sizer.switched
         assert [e["why"] for e in switched] == [s.why.value for s in sizer.switches]
-        assert "trying none" in [e["why"] for e in switched] and switched[-1]["method"] == "specpipe"
+        assert all(e["method"] == "specpipe" for e in switched)
         after = _switches()
         counted = {why: n - before.get(why, 0.0) for why, n in after.items() if n > before.get(why, 0.0)}
         assert counted == {why.name.lower(): float(sum(s.why == why for s in sizer.switches)) for why in Why
