@@ -346,13 +346,12 @@ class Sizer:
             min((x for x in self.candidates() if x.speculates), key=lambda x: (x.width, x.rounds))
 
     def _switch(self, choice: Choice, why: Why, requests: int = 1) -> None:
-        def pace(c: Choice) -> float | None:          # ms per token: measured, else modelled once ready
+        def pace(c: Choice) -> tuple[float | None, bool]:   # (ms per token, measured): else modelled once ready
             seen = self.measured(c, requests)
             rate = seen if seen is not None else self.expected(c, requests) if self.ready else 0.0
-            return 1.0 / rate if rate > 0 else None
-        self.switches.append(Switch(self.choice, choice, why, pace(self.choice), pace(choice),
-                                    self.measured(self.choice, requests) is not None,
-                                    self.measured(choice, requests) is not None))
+            return (1.0 / rate if rate > 0 else None), seen is not None
+        (before_ms, before_seen), (after_ms, after_seen) = pace(self.choice), pace(choice)
+        self.switches.append(Switch(self.choice, choice, why, before_ms, after_ms, before_seen, after_seen))
         self.switched += 1
         if choice.shape == self.choice.shape:    # topk alone (rule step 4): the same pace goes on
             self.choice = choice

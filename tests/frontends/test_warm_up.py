@@ -3,6 +3,8 @@ prompt that teaches specpipe's cost rule what this pipeline costs, ended once th
 it is left but what the rule learnt, and the request after it is exact."""
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 from prometheus_client import REGISTRY
 from structlog.testing import capture_logs
@@ -18,9 +20,10 @@ pytestmark = pytest.mark.grpc
 
 
 def _switches() -> dict[str, float]:
-    """specpipe_cost_rule_switches_total{method="specpipe"} by why, as scraped."""
-    return {s.labels["why"]: s.value for m in REGISTRY.collect() if m.name == "specpipe_cost_rule_switches"
-            for s in m.samples if s.name.endswith("_total") and s.labels["method"] == "specpipe"}
+    """specpipe_cost_rule_switches_total{method="specpipe"} by why."""
+    return {w.name.lower(): REGISTRY.get_sample_value("specpipe_cost_rule_switches_total",
+                                                      {"method": "specpipe", "why": w.name.lower()}) or 0.0
+            for w in Why}
 
 
 async def test_the_warm_up_ends_once_the_rule_has_decided_and_leaves_nothing(tiny_model, tiny_hf):
@@ -38,10 +41,8 @@ async def test_the_warm_up_ends_once_the_rule_has_decided_and_leaves_nothing(tin
         assert 1 <= sizer.switched <= sizer.switches.maxlen and len(switched) == sizer.switched
         assert [e["why"] for e in switched] == [s.why.value for s in sizer.switches]
         assert all(e["method"] == "specpipe" for e in switched)
-        after = _switches()
-        counted = {why: n - before.get(why, 0.0) for why, n in after.items() if n > before.get(why, 0.0)}
-        assert counted == {why.name.lower(): float(sum(s.why == why for s in sizer.switches)) for why in Why
-                           if why in {s.why for s in sizer.switches}}
+        made = Counter(s.why.name.lower() for s in sizer.switches)
+        assert {w: n - before[w] for w, n in _switches().items()} == {w: float(made[w]) for w in before}
         assert coord.engine.active == 0
         await wait_until_empty(served.stages, coord)
         prompt = [5, 6, 7, 8]
