@@ -28,7 +28,24 @@ from typing import Any
 PREFIX = "SPECPIPE_"
 _KEY = "specpipe.option"
 _DERIVED = "derived"                        # env=_DERIVED: SPECPIPE_<NAME>
-_TYPES: dict[object, type] = {"int": int, "float": float, "str": str, int: int, float: float, str: str}
+
+
+def parse_bool(text: str | bool) -> bool:
+    """A boolean flag's or environment variable's value: true/false, 1/0, yes/no, on/off.
+
+    >>> parse_bool("off"), parse_bool("1")
+    (False, True)
+    """
+    value = str(text).strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not a boolean (true or false)")
+
+
+_TYPES: dict[object, Callable[[str], Any]] = {"int": int, "float": float, "str": str, "bool": parse_bool, int: int,
+                                              float: float, str: str, bool: parse_bool}
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ Growth picks which nodes go into the next micro-batch (`select`):
   micro-batch spans several layers and a lagging branch catches up at once;
 - `hybrid`: the same, with the spine (the chain of best children) taken first down to the pipeline's
   horizon. The trip baselines keep the one-layer rules (`select_layer`, `select_best_first`).
-  The selection methods, with their contract, live in coordinator/core/tree_select.py (`TreeSelection`).
+  The selection methods, with their contract, live in coordinator/core/tree_select.py (`TreeSelection`); the
+  growth (the draft's proposals becoming children) in coordinator/core/tree_grow.py (`TreeGrowth`).
 
 Verification at the root, when `target_next(root)` is known: if an injected child carries that token it is
 a **hit** — `commit(child)` makes it the root and prunes its siblings' subtrees; otherwise a **miss**: when
@@ -44,8 +45,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from coordinator.core.proposals import ProposalRows
-from coordinator.core.tree_columns import NO_ROW, NO_TOKEN, NodeArrays, NodeTable, NodeView
+from coordinator.core.tree_columns import NO_TOKEN, NodeArrays, NodeTable, NodeView
+from coordinator.core.tree_grow import TreeGrowth
 from coordinator.core.tree_select import TreeSelection
 
 
@@ -65,7 +66,7 @@ class Pruned:
         return len(set(self.injected) | set(self.expanded))
 
 
-class TokenTree(TreeSelection):
+class TokenTree(TreeGrowth, TreeSelection):
     def __init__(self, root_id: int, root_token: int, root_depth: int, new_ids: Callable[[int], int]) -> None:
         """`new_ids(n)` hands out n fresh consecutive node ids (the first is returned), larger than any
         before: the request's id counter (RequestState.new_node)."""
@@ -123,130 +124,6 @@ class TokenTree(TreeSelection):
 
     def children(self, node_id: int) -> list[int]:
         return self.a.id[self.a.parent == node_id].tolist()
-
-    # -- growth -------------------------------------------------------------------------------------
-    def add_children(self, parent_id: int, proposals: Sequence[tuple[int, float]]) -> list[int]:
-        """Add the draft's proposals (token, log-prob) below a node; returns the new candidate ids."""
-        return self.add_children_many([parent_id], [list(proposals)]).tolist()
-
-    def add_children_many(self, parent_ids: Sequence[int] | np.ndarray,
-                          proposals: ProposalRows | Sequence[Sequence[tuple[int, float]]]) -> np.ndarray:
-        """Children for several nodes at once (row i of `proposals` below parent_ids[i], best first); a
-        token that is already a child of that node, or repeated in its row, is skipped (the first wins).
-        Ids are handed out row by row in proposal order. Marks every parent expanded; returns the new ids.
-
-            add_children_many([4, 5], ProposalRows.of([[(7, -0.1), (8, -1.0)], [(9, -0.2)]]))
-            -> [n, n+1, n+2]: 7 and 8 below 4, 9 below 5 (scores: parent's + log-prob)
-        """
-        rows = proposals if isinstance(proposals, ProposalRows) else ProposalRows.of(proposals)
-        parent_ids = np.asarray(parent_ids, np.int64)
-        if len(parent_ids) != rows.tokens.shape[0]:
-            raise ValueError(f"{len(parent_ids)} parents for {rows.tokens.shape[0]} rows of proposals")
-        prow, live = self.rows(parent_ids)
-        if not live.all():
-            raise KeyError(f"not in the tree: {parent_ids[~live].tolist()}")
-        fresh = (self.a.best_row[prow] == NO_ROW).all() and len(set(parent_ids.tolist())) == len(parent_ids)
-        m, k = rows.tokens.shape
-        self.a.expanded[prow] = True
-        self.a.asked[prow] = False
-        if fresh and rows.distinct and (rows.counts == k).all():      # a draft's top-k: every cell is a child
-            return self._add_full(parent_ids, prow, rows)
-        valid = rows.valid()
-        if not fresh or rows.has_repeats():
-            valid = self._first_proposals(parent_ids, rows, valid)
-        total = int(valid.sum())
-        if total == 0:
-            return np.zeros(0, np.int64)
-        first = self.new_ids(total)
-        if first <= self.a.id[-1]:
-            raise ValueError(f"new node id {first} is not above every live id (last {int(self.a.id[-1])})")
-        ids = np.arange(first, first + total, dtype=np.int64)
-        n = self.a.n                                                        # the first new row
-        scores = self.a.score[prow][:, None] + rows.logps                    # [m, k] cumulative
-        which = np.nonzero(valid)                                          # row-major: proposal order
-        self.a.append(ids, parent_ids[which[0]], rows.tokens[which], self.a.depth[prow][which[0]] + 1,
-                      scores[which])                     # rows of the old nodes do not move
-        # the best child of each parent: the first best score in its row (ids, and rows, grow along a row)
-        ranked = np.where(valid, scores, -np.inf)
-        col = ranked.argmax(axis=1)
-        got = valid.any(axis=1)
-        cell_row = (np.cumsum(valid.ravel()) - 1 + n).reshape(valid.shape)
-        best = cell_row[np.arange(len(col)), col]
-        if fresh:
-            self.a.best_row[prow[got]] = best[got]
-        else:
-            for r, b, sc in zip(prow[got].tolist(), best[got].tolist(), ranked.max(axis=1)[got].tolist()):
-                self._offer_best(r, b, sc)
-        return ids
-
-    def add_asked(self, node_ids: Sequence[int], proposals: ProposalRows | Sequence[Sequence[tuple[int, float]]],
-                  first: int = 0, asked_at: tuple[int, np.ndarray] | None = None) -> list[int]:
-        """A draft job's proposals for nodes it asked (`ask`): row first + i of `proposals` below node_ids[i]
-        (the rows before `first` are not this tree's). A node pruned while the job ran is skipped with its
-        row. Returns the ids that got their rows (`add_children_many` for the rest of the contract).
-        `asked_at`: (`a.layout`, the nodes' rows) when they were asked; while no row has moved since, those
-        rows are used as they are (no lookup: nothing was pruned either, a prune moves rows; another tree, of a
-        request id used again, has another stamp).
-
-            ask rows of 5, 7; a result prunes 7; add_asked([5, 7], rows) -> [5]: 5's children added, 7's dropped
-        """
-        a = self.a
-        ids = np.asarray(node_ids, np.int64)
-        kept = asked_at is not None and not first and asked_at[0] == a.layout and len(asked_at[1]) == len(ids)
-        prow, live = (asked_at[1], None) if kept else self.rows(ids)
-        if not kept and (first or not live.all()):
-            at = live.nonzero()[0]
-            ids = ids[at]
-            proposals = proposals.select(at + first) if isinstance(proposals, ProposalRows) else \
-                [proposals[i + first] for i in at.tolist()]
-        elif isinstance(proposals, ProposalRows) and proposals.distinct and len(ids) == proposals.tokens.shape[0] \
-                and (proposals.full or (proposals.counts == proposals.tokens.shape[1]).all()) and a.asked[prow].all():
-            # the hot path: a top-k for nodes still asked (`ask` marks distinct rows never expanded; expanding
-            # clears the mark), so none has a child yet
-            a.expanded[prow] = True
-            a.asked[prow] = False
-            self._add_full(ids, prow, proposals)
-            return node_ids if isinstance(node_ids, list) else ids.tolist()
-        self.add_children_many(ids, proposals)
-        return ids.tolist()
-
-    def _add_full(self, parent_ids: np.ndarray, prow: np.ndarray, rows: ProposalRows) -> np.ndarray:
-        """The hot path of add_children_many: fresh parents, every cell of every row a distinct child."""
-        m, k = rows.tokens.shape
-        if m * k == 0:
-            return np.zeros(0, np.int64)
-        first = self.new_ids(m * k)
-        if first <= self.a.id[-1]:
-            raise ValueError(f"new node id {first} is not above every live id (last {int(self.a.id[-1])})")
-        ids = np.arange(first, first + m * k, dtype=np.int64)
-        n = self.a.n                                                        # the first new row
-        scores = self.a.score[prow][:, None] + rows.logps                    # [m, k] cumulative
-        self.a.append(ids, parent_ids.repeat(k), rows.tokens.ravel(), (self.a.depth[prow] + 1).repeat(k),
-                      scores.ravel())
-        self.a.best_row[prow] = np.arange(n, n + m * k, k) + scores.argmax(axis=1)   # the first best of each row
-        return ids
-
-    def _offer_best(self, r: int, cand: int, score: float) -> None:
-        """Make row `cand` the best child of row r if it beats the current one by (score, -id) (rows are in
-        id order: -row orders as -id)."""
-        old = int(self.a.best_row[r])
-        if old != NO_ROW and (self.a.score[old], -old) >= (score, -cand):
-            return
-        self.a.best_row[r] = cand
-
-    def _first_proposals(self, parent_ids: np.ndarray, rows: ProposalRows, valid: np.ndarray) -> np.ndarray:
-        """The cold path of add_children_many: drop tokens already below the parent (or earlier in the rows
-        of the same parent), by hand."""
-        have: dict[int, set[int]] = {}
-        out = valid.copy()
-        for i, pid in enumerate(parent_ids.tolist()):
-            seen = have.setdefault(pid, set(self.a.token[self.a.parent == pid].tolist()))
-            for j in valid[i].nonzero()[0].tolist():
-                tok = int(rows.tokens[i, j])
-                if tok in seen:
-                    out[i, j] = False
-                seen.add(tok)
-        return out
 
     # -- verification -------------------------------------------------------------------------------
     def set_target_next(self, node_ids: Sequence[int], tokens: Sequence[int]) -> None:

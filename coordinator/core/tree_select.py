@@ -120,7 +120,7 @@ class TreeSelection:
             best = self._best(pool.nonzero()[0], left)
             a.injected[best] = True
             chosen += best.tolist()
-        return self._rows_in_order(np.asarray(chosen, np.int64))
+        return self.parents_first(np.asarray(chosen, np.int64))
 
     def to_expand(self, count: int, max_depth: int | None = None, skip: frozenset[int] = frozenset(),
                   spine_lead: int = 0, injected_only: bool = False) -> np.ndarray:
@@ -135,6 +135,13 @@ class TreeSelection:
     def expand_rows(self, count: int, max_depth: int | None = None, skip: frozenset[int] = frozenset(),
                     spine_lead: int = 0, injected_only: bool = False) -> np.ndarray:
         """`to_expand`, as rows (parents first), for the hot path."""
+        ranked, _ = self.expand_ranked(count, max_depth, skip, spine_lead, injected_only)
+        return self.parents_first(ranked)
+
+    def expand_ranked(self, count: int, max_depth: int | None = None, skip: frozenset[int] = frozenset(),
+                      spine_lead: int = 0, injected_only: bool = False) -> tuple[np.ndarray, bool]:
+        """`expand_rows` in rank order (the spine's tip first), and whether the tip came first: a chained
+        job's first round and its frontier (coordinator/core/drafts/chain.py)."""
         a = self.a
         usable = ~a.expanded & ~a.asked
         for token in skip:
@@ -150,7 +157,7 @@ class TreeSelection:
             usable[tip] = False
         rows = usable.nonzero()[0]
         best = self._best(rows, max(0, count - len(first)), injected_first=True)
-        return self._rows_in_order(np.concatenate((np.asarray(first, np.int64), best)) if first else best)
+        return (np.concatenate((np.asarray(first, np.int64), best)) if first else best), bool(first)
 
     def _spine_tip(self, lead: int) -> int | None:
         """The row of the first unexpanded node on the chain of best children from the root, if within
@@ -178,7 +185,7 @@ class TreeSelection:
         keys = (rows, a.depth[rows]) + ((~a.injected[rows],) if injected_first else ()) + (neg,)
         return rows[np.lexsort(keys)[:k]]
 
-    def _rows_in_order(self, rows: np.ndarray) -> np.ndarray:
+    def parents_first(self, rows: np.ndarray) -> np.ndarray:
         """Rows by (depth, id): parents before children (rows are in id order)."""
         return rows[np.lexsort((rows, self.a.depth[rows]))]
 
@@ -186,4 +193,4 @@ class TreeSelection:
         """The best `width` rows of the mask, marked injected, parents first."""
         best = self._best(mask.nonzero()[0], width)
         self.a.injected[best] = True
-        return self._rows_in_order(best)
+        return self.parents_first(best)

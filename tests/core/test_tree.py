@@ -490,3 +490,23 @@ def test_the_id_lookup_answers_every_id_through_appends_keeps_growth_and_reset()
     a.reset(55, token=1, depth=3)
     live = {55: 0}
     check()
+
+
+def test_a_chained_round_adds_children_with_the_drafts_ids_and_skips_nodes_no_longer_live():
+    """`add_chained` (coordinator/core/tree_grow.py): root 0 -> 1 (-0.1), 2 (-0.2), 3 (-0.3); node 1 expanded
+    by a chained round gets children 20 (-0.1 - 0.5) and 21 (-0.1 - 0.2), its best child 21; node 3 was pruned
+    by a commit of 2 meanwhile, so its row is dropped; ids at or below a live one are refused."""
+    from coordinator.core.proposals import ProposalRows
+    t = make_tree()
+    t.add_children(0, [(7, -0.1), (8, -0.2), (9, -0.3)])
+    rows = ProposalRows.of([[(30, -0.5), (31, -0.2)], [(32, -0.1)]])
+    assert t.add_chained(np.array([1, 3]), rows, np.array([[20, 21], [22, 23]])) == [1, 3]
+    assert t.children(1) == [20, 21] and t.children(3) == [22], "a row's padding makes no child"
+    assert t.nodes[21].score == pytest.approx(-0.3) and t.nodes[20].parent == 1 and t.nodes[20].depth == 2
+    assert t.nodes[1].expanded and not t.nodes[1].asked
+    assert t.a.id[t.a.best_row[t.row(1)]] == 21
+    t.commit(2)                                    # prunes 1 and 3 with their subtrees
+    assert t.add_chained(np.array([3, 1]), rows, np.array([[40, 41], [42, 43]])) == []
+    assert t.add_children(2, [(5, -0.1)]) == [4]   # (the counter's next id)
+    with pytest.raises(ValueError, match="not above every live id"):
+        t.add_chained(np.array([4]), ProposalRows.of([[(6, -0.1)]]), np.array([[4]]))

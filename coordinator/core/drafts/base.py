@@ -88,6 +88,8 @@ def piece_start(rows: dict[str, tuple[int, int]] | None, request_id: str) -> int
 
 class DraftSource(ABC):
     name = "draft"
+    chains = False      # its proposals are a distinct top-k per node (ProposalRows.distinct): a job may chain
+    # rounds (coordinator/core/drafts/chain.py)
 
     def __init__(self) -> None:
         self.compute_s = 0.0        # time spent proposing, for the draft-time share

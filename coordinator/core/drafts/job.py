@@ -16,6 +16,9 @@ longer in a tree are dropped when they are applied.
     # or, as the engine's draft loop and the simulated clock do: applied, and the next job made, in one call
     job = sched.draft_next(job, results)
 
+A job may carry several rounds for a request (`chains`): the draft chooses the later ones itself
+(coordinator/core/drafts/chain.py), and the results hold every round's proposals (`chained`).
+
 A failure stays with the requests it touches: an exception from a request's bookkeeping, prefill or
 expansion becomes that request's error; one from a whole model call, the error of every request in it.
 """
@@ -32,6 +35,8 @@ import torch
 from common.sampling import Sampling
 
 from coordinator.core.drafts.base import DraftNode, DraftSource, Proposals
+from coordinator.core.drafts.chain import Chain, ChainRound
+from coordinator.core.proposals import ProposalRows
 
 
 class OpKind(str, Enum):
@@ -64,6 +69,8 @@ class DraftJob:
     # last rows of its expansion (the rows before are committed nodes the draft had not computed)
     asked_at: dict[str, tuple[int, np.ndarray]] = field(default_factory=dict)   # request -> (its tree's
     # `NodeArrays.layout`, [len(tree_nodes)] the nodes' rows) when asked (TokenTree.add_asked)
+    chains: dict[str, Chain] = field(default_factory=dict)   # request -> its later rounds, chosen by the draft
+    # (coordinator/core/drafts/chain.py); its first round is its entry in `expand`
 
     @property
     def requests(self) -> set[str]:
@@ -107,8 +114,54 @@ class DraftJob:
                 out.proposals[request_id] = got
                 if request_id in self.keep_q:
                     out.q[request_id] = {n.node_id: draft.take_q(request_id, n.node_id) for n in nodes}
+            if self.chains:
+                self._chain(draft, out, {request_id: len(nodes) for request_id, nodes in expand})
         out.compute_ms = (draft.compute_s - before) * 1e3
         return out
+
+    def _chain(self, draft: DraftSource, out: "DraftResults", asked: dict[str, int]) -> None:
+        """The chained requests' later rounds (coordinator/core/drafts/chain.py), batched across requests: after
+        each round every chain chooses its next nodes; a request that fails stops there (its error)."""
+        due: dict[str, ProposalRows] = {}
+        for request_id, chain in self.chains.items():
+            got = out.proposals.get(request_id)
+            if got is not None:
+                rows = got if isinstance(got, ProposalRows) else ProposalRows.of(got)
+                head = asked[request_id] - len(chain.ids)       # (committed nodes the draft had not computed)
+                due[request_id] = rows.select(np.arange(head, len(rows))) if head else rows
+        rounds = 1
+        while due:
+            started = time.perf_counter()
+            nxt = []
+            for request_id, rows in due.items():
+                try:
+                    nodes = self.chains[request_id].step(rows)
+                except Exception as e:       # (a request's failure is its own)
+                    out.errors[request_id] = e
+                    continue
+                if nodes is not None:
+                    nxt.append((request_id, nodes))
+            out.select_ms += (time.perf_counter() - started) * 1e3
+            if not nxt:
+                break
+            try:
+                results: list[Proposals | Exception] = draft.expand_many(nxt, self.topk)
+            except Exception as e:
+                results = [e] * len(nxt)
+            rounds += 1
+            due = {}
+            for (request_id, nodes), got in zip(nxt, results):
+                if isinstance(got, Exception):
+                    out.errors[request_id] = got
+                    continue
+                due[request_id] = got if isinstance(got, ProposalRows) else ProposalRows.of(got)
+                if request_id in self.keep_q:
+                    out.q.setdefault(request_id, {}).update(
+                        {n.node_id: draft.take_q(request_id, n.node_id) for n in nodes})
+        out.rounds = rounds
+        for request_id, chain in self.chains.items():
+            if request_id not in out.errors and chain.done:
+                out.chained[request_id] = chain.done
 
 
 @dataclass
@@ -118,3 +171,7 @@ class DraftResults:
     errors: dict[str, Exception] = field(default_factory=dict)
     compute_ms: float = 0.0          # the draft's compute (its model calls and top-k)
     bookkeeping_ms: float = 0.0      # the ops' wall time (the draft's KV tables: Python on the draft's thread)
+    chained: dict[str, list[ChainRound]] = field(default_factory=dict)   # request -> its rounds, the first
+    # included, when the job chained them (the ids its children get)
+    rounds: int = 1                  # the model calls of the expansion (chained rounds)
+    select_ms: float = 0.0           # the chains' choice of their next nodes (Python on the draft's thread)

@@ -25,6 +25,8 @@ from coordinator.core.proposals import ProposalRows
 
 
 class ModelDraft(DraftSource):
+    chains = True       # a distinct top-k per node
+
     def __init__(self, model: nn.Module, name: str = "model", prefill_chunk: int = 256) -> None:
         super().__init__()
         if prefill_chunk < 1:

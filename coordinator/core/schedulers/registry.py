@@ -29,6 +29,9 @@ class Speculation:
     draft_rounds: int = option(0, "specpipe: draft calls per step; each expands the best not-yet-expanded nodes so "
                                   "a micro-batch can span several tree layers (layer policy: 1); 0: the cost rule "
                                   "picks 1 to 3")
+    draft_chain: bool = option(True, "specpipe: a step's draft rounds in one job, the draft choosing the later "
+                                     "rounds' nodes as the tree would (one coordinator call a step instead of one a "
+                                     "round); false: a job per round")
     stage_hardware: str = option("shared", "specpipe's cost rule: the stages compute on the draft's hardware "
                                            "(shared: one machine, e.g. specpipe local), so plain pipelining is "
                                            "tried once before its model of it is trusted; or on their own "
@@ -76,7 +79,8 @@ def make_scheduler(method: str, num_stages: int, spec: SpecOptions | None = None
             shared = StageHardware(spec.stage_hardware) is StageHardware.SHARED
             sizer = Sizer(num_stages, sizing, spec.node_budget, shared)
         return SpecPipeScheduler(num_stages, spec.draft, sizing.max_width, spec.tree_policy, sizing.max_topk,
-                                 spec.node_budget, spec.verify, sizing.max_rounds, spec.prefill_chunk, sizer)
+                                 spec.node_budget, spec.verify, sizing.max_rounds, spec.prefill_chunk, sizer,
+                                 bool(spec.draft_chain))
     if method in (Method.SPS, Method.TREE, Method.PIPEINFER):
         if spec.draft is None:
             raise ValueError(f"method {method!r} needs a draft source (--draft quant|quant+ngram|ngram|model)")

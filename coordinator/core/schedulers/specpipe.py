@@ -50,7 +50,7 @@ class SpecPipeScheduler(DraftBeside, BatchingScheduler):
 
     def __init__(self, num_stages: int, draft: DraftSource, width: int = 32, policy: str = "hybrid",
                  topk: int = 16, node_budget: int = 32, verify: str = "match", rounds: int = 2,
-                 prefill_chunk: int = 256, sizer: Sizer | None = None) -> None:
+                 prefill_chunk: int = 256, sizer: Sizer | None = None, chain: bool = True) -> None:
         super().__init__(num_stages, node_budget, prefill_chunk)
         if width < 1 or topk < 1 or rounds < 1:
             raise ValueError("width, topk and rounds must be at least 1")
@@ -61,6 +61,7 @@ class SpecPipeScheduler(DraftBeside, BatchingScheduler):
         self.verify = verify
         self.draft, self.width, self.policy, self.topk = draft, width, policy, topk
         self.rounds = 1 if policy == TreePolicy.LAYER else rounds     # draft calls per step (run-ahead)
+        self.chain = chain and draft.chains      # a step's rounds in one job (coordinator/core/drafts/chain.py)
         self.trees: dict[str, TokenTree] = {}
         self.pending: dict[str, int] = {}            # request -> draft rounds still due since its last injection
         self.begun: set[str] = set()                 # requests whose prompt the draft has seen

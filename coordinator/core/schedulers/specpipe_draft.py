@@ -9,7 +9,9 @@ Contract. The scheduler never calls the draft while it handles an event:
   due (`pending`, counted down here, as jobs are *made*) its best nodes not yet expanded
   (`TokenTree.to_expand`, as many as its width; `layer`: the injected ones), behind the committed nodes the
   draft never computed (`unseen`). Those nodes are marked asked, so no later job takes them again and a prune
-  names them.
+  names them. Chained (`chain`, coordinator/core/drafts/chain.py): every round due goes in one job, the draft
+  choosing the later rounds' nodes from the frontier it is handed (marked asked too) and the children it
+  proposes; a bonus root's first round goes alone.
 - `draft_done(job, results)` applies a job's results, in the order jobs were made: the draft's time is charged
   to the requests in proportion to the rows it computed for each, a failure ends its request (not the
   scheduler), proposals become children of the nodes still in their tree (a result may have pruned some
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from coordinator.core.drafts.base import DraftNode, DraftNodes
+from coordinator.core.drafts.chain import Chain
 from coordinator.core.drafts.job import DraftJob, DraftOp, DraftResults
 from coordinator.core.schedulers.base import RequestState
 from coordinator.core.status import FinishReason, Status
@@ -57,6 +60,7 @@ class DraftBeside:
     width: int
     topk: int
     policy: str
+    chain: bool
 
     @property
     def has_work(self) -> bool:
@@ -83,14 +87,19 @@ class DraftBeside:
             if state is None:
                 del self.pending[request_id]
                 continue
-            self.pending[request_id] -= 1
+            tree = self.trees[request_id]
+            due = self.pending[request_id]
+            chained = self.chain and due > 1 and bool(tree.a.expanded[0]) and self.policy != TreePolicy.LAYER
+            self.pending[request_id] = 0 if chained else due - 1       # (a chain takes every round due)
             if self.pending[request_id] <= 0:
                 del self.pending[request_id]
             if request_id not in self.begun:             # the draft holds the request from this job on
                 self.begun.add(request_id)
                 job.begin.append((request_id, state.request.prompt_ids, state.request.sampling, self._rejection(state)))
-            tree = self.trees[request_id]
             limit = self._max_depth(state, tree)
+            if chained:
+                self._chain(job, state, tree, due, width, limit, lead)
+                continue
             if self.policy == TreePolicy.LAYER:
                 rows = tree.expand_rows(tree.a.n, limit, state.request.eos_ids, injected_only=True)
             else:
@@ -102,6 +111,24 @@ class DraftBeside:
             return job
         self._dispatch()                  # nothing to compute: the rounds counted down may free a request
         return None
+
+    def _chain(self, job: DraftJob, state: RequestState, tree: TokenTree, rounds: int, width: int, limit: int,
+               lead: int) -> None:
+        """A job's rounds for one request, chained (coordinator/core/drafts/chain.py): the first round's nodes as
+        for any job; the frontier (the next best (rounds - 1) * width usable nodes) marked asked, so a prune
+        names it while the draft may expand it; a block of ids for the children."""
+        request_id, a = state.request.request_id, tree.a
+        ranked, tipped = tree.expand_ranked(rounds * width, limit, state.request.eos_ids, spine_lead=lead)
+        if not len(ranked):
+            return
+        rows, frontier = tree.parents_first(ranked[:width]), ranked[width:]
+        a.asked[frontier] = True
+        self._ask(job, request_id, *tree.ask(rows, state.root_parent))
+        tip = int(np.flatnonzero(rows == ranked[0])[0]) if tipped else -1
+        job.chains[request_id] = Chain(
+            rounds, width, self.topk, state.new_node(rounds * width * self.topk), limit, state.request.eos_ids,
+            int(a.depth[0]) + lead, a.id[rows], a.depth[rows], a.score[rows], tip, a.id[frontier],
+            a.parent[frontier], a.depth[frontier], a.token[frontier], a.score[frontier], a.injected[frontier])
 
     def _ask(self, job: DraftJob, request_id: str, nodes: list[int], parents: list[int], positions: list[int],
              tokens: list[int]) -> None:
@@ -128,13 +155,17 @@ class DraftBeside:
 
     def _apply(self, job: DraftJob, results: DraftResults) -> None:
         if self.sizer is not None and job.expand and not job.begin and not results.errors:
-            self.sizer.observe_draft(sum(len(nodes) for _, nodes in job.expand), results.compute_ms)
+            rows = sum(len(nodes) for _, nodes in job.expand) + \
+                sum(len(done.node_ids) for chain in results.chained.values() for done in chain[1:])
+            for _ in range(results.rounds):       # a chained job: its rounds, alike
+                self.sizer.observe_draft(rows / results.rounds, results.compute_ms / results.rounds)
         weights: dict[str, int] = {}          # request -> rows the draft computed for it
         for request_id, prompt, *_ in job.begin:
             a, b = job.rows.get(request_id, (0, len(prompt)))
             weights[request_id] = b - a
         for request_id, nodes in job.expand:
-            weights[request_id] = weights.get(request_id, 0) + len(nodes)
+            later = sum(len(done.node_ids) for done in results.chained.get(request_id, ())[1:])
+            weights[request_id] = weights.get(request_id, 0) + len(nodes) + later
         total = sum(weights.values())
         for request_id, w in weights.items():            # the draft's time, charged in proportion to its rows
             if request_id in self.requests and total:
@@ -142,8 +173,22 @@ class DraftBeside:
         for request_id, error in results.errors.items():
             if request_id in self.requests:              # a failing draft fails its request, not the scheduler
                 self._draft_failed(self.requests[request_id], error)
+        for request_id, chain in job.chains.items():
+            tree = self.trees.get(request_id)
+            if tree is None:
+                continue
+            a = tree.a
+            rows, live = tree.rows(chain.asked)        # the frontier the draft left: askable again
+            a.asked[rows[live & ~a.expanded[rows]]] = False
         for request_id, nodes in job.tree_nodes.items():
             if request_id not in self.requests or request_id not in results.proposals:
+                continue
+            if request_id in job.chains:
+                tree = self.trees[request_id]
+                for done in results.chained.get(request_id, ()):
+                    keep = tree.add_chained(done.node_ids, done.proposals, done.child_ids)
+                    for node_id in keep if request_id in results.q else ():
+                        tree.q[node_id] = results.q[request_id].get(node_id)
                 continue
             rows = results.proposals[request_id]
             # (the rows before the tree's nodes are committed nodes the draft had not computed: `unseen`)

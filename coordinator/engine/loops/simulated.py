@@ -231,7 +231,7 @@ class SimulatedPipeline:
             results = job.run(draft)
             # the draft's modelled time, and its KV bookkeeping's measured time (charged like control time)
             spent = self._draft_spent(before, self._draft_counters(draft)) + \
-                getattr(results, "bookkeeping_ms", 0.0) * self.control_scale
+                (getattr(results, "bookkeeping_ms", 0.0) + getattr(results, "select_ms", 0.0)) * self.control_scale
             self.steps.add(0.0, spent)
             self.draft_ms += spent
             drafting, draft_free = True, max(t, draft_free) + spent

@@ -86,10 +86,14 @@ FUZZ = settings(deadline=None, max_examples=40, suppress_health_check=[HealthChe
 
 @FUZZ
 @given(draft=st.sampled_from(["quant", "right", "wrong"]), policy=st.sampled_from(["hybrid", "best-first", "layer"]),
-       width=st.integers(1, 6), sampled=st.booleans(), data=st.data())
-def test_any_order_of_draft_jobs_results_and_cancels_is_exact(parts, tiny_hf, draft, policy, width, sampled, data):
+       width=st.integers(1, 6), sampled=st.booleans(), rounds=st.integers(1, 3), chain=st.booleans(), data=st.data())
+def test_any_order_of_draft_jobs_results_and_cancels_is_exact(parts, tiny_hf, draft, policy, width, sampled, rounds,
+                                                              chain, data):
+    """`chain`: a step's rounds in one job, the draft choosing the later ones (coordinator/core/drafts/chain.py);
+    results meanwhile prune what it expands."""
     drafts, runners = parts
-    sched = SpecPipeScheduler(2, drafts[draft], width=width, policy=policy, topk=3, node_budget=8, rounds=2)
+    sched = SpecPipeScheduler(2, drafts[draft], width=width, policy=policy, topk=3, node_budget=8, rounds=rounds,
+                              chain=chain)
     d = Driver(sched, runners)
     k = next(IDS)
     ps = prompts(3, seed=data.draw(st.integers(0, 6)))
@@ -129,8 +133,8 @@ CHOICES = [NONE, Choice(1, 2, 1), Choice(3, 3, 2), Choice(6, 3, 1)]
 
 @FUZZ
 @given(draft=st.sampled_from(["quant", "right", "wrong"]), policy=st.sampled_from(["hybrid", "best-first", "layer"]),
-       sampled=st.booleans(), verify=st.sampled_from(["match", "rejection"]), data=st.data())
-def test_the_cost_rule_switching_at_any_result_is_exact(parts, tiny_hf, draft, policy, sampled, verify, data):
+       sampled=st.booleans(), verify=st.sampled_from(["match", "rejection"]), chain=st.booleans(), data=st.data())
+def test_the_cost_rule_switching_at_any_result_is_exact(parts, tiny_hf, draft, policy, sampled, verify, chain, data):
     """Width, topk, rounds or none changing after any result (requests going plain with micro-batches of
     speculation in flight, plain requests rejoining, the draft catching up on what it never computed), in any
     order of results and draft jobs: greedy and seeded `match` output stay the target's own, `rejection` ends
@@ -138,7 +142,7 @@ def test_the_cost_rule_switching_at_any_result_is_exact(parts, tiny_hf, draft, p
     drafts, runners = parts
     sizer = Scripted(2, lambda: data.draw(st.sampled_from(CHOICES)))
     sched = SpecPipeScheduler(2, drafts[draft], width=6, policy=policy, topk=3, node_budget=8, rounds=2,
-                              verify=verify, sizer=sizer)
+                              verify=verify, sizer=sizer, chain=chain)
     d = Driver(sched, runners)
     k = next(IDS)
     ps = prompts(3, seed=data.draw(st.integers(0, 6)))
@@ -223,6 +227,75 @@ def test_a_prune_while_a_job_computes_drops_its_proposals_and_frees_its_rows(par
     while d.choices():
         d.step(d.choices()[0])
     assert d.tokens["p"] == hf_greedy(tiny_hf, prompt, 6)
+    assert_nothing_left(sched, runners, draft)
+
+
+@pytest.mark.parametrize("policy", ["hybrid", "best-first"])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_chained_job_expands_the_nodes_that_rounds_made_one_by_one_would(parts, policy, sampled):
+    """With no result in between (and no injection: dispatch is off), one job chaining three rounds grows the
+    same tree as three jobs of a round each: the same nodes, by their paths of tokens, with the same scores,
+    expanded or not alike; the coordinator made two jobs instead of four (the first, the root's, is alone)."""
+    drafts, runners = parts
+    grown, jobs = {}, {}
+    draft = drafts["right"]              # (not `quant`: its int8 activations are scaled per batch, so a node's
+    for chain in (True, False):          # proposals depend on which rows share its call)
+        sched = SpecPipeScheduler(4, draft, width=3, policy=policy, topk=3, rounds=4, chain=chain)
+        sched._dispatch = lambda: None
+        rid = f"eq-{policy}-{sampled}-{chain}"
+        sampling = Sampling(temperature=0.8, seed=5) if sampled else Sampling()
+        sched.add(Request(rid, prompts(1, seed=4)[0], 20, sampling=sampling))
+        jobs[chain] = 0
+        while (job := sched.draft_job()) is not None:
+            jobs[chain] += 1
+            assert bool(job.chains) == (chain and jobs[chain] == 2)
+            sched.draft_done(job, job.run(sched.draft))
+        tree = sched.trees[rid]
+        grown[chain] = {tuple(tree.path_tokens(i)): (bool(tree.nodes[i].expanded), round(tree.nodes[i].score, 4))
+                        for i in tree.nodes}
+        draft.release(rid)
+    assert jobs == {True: 2, False: 4}
+    assert sum(e for e, _ in grown[False].values()) == 1 + 3 * 3, "the root, then 3 rounds of width 3"
+    assert grown[True] == grown[False]
+
+
+def draft_rows(draft: ModelDraft, request_id: str) -> set[int]:
+    """The nodes the draft holds rows of, committed ones aside."""
+    kv = draft.runner.cache.get(request_id, create=False)
+    return {i for i, n in kv.table.nodes.items() if not n.committed} if kv is not None else set()
+
+
+def test_a_prune_while_a_chained_job_computes_leaves_the_draft_no_row_outside_the_tree(parts, tiny_hf):
+    """A chained job is out while results come back and prune what its first round expands (the draft proposes
+    only misses), so its later rounds expand nodes below pruned ones, which the tree never gets. Once the prune
+    has reached the draft (behind the job), the draft holds rows only of nodes in the tree; the output is
+    exact and nothing is left."""
+    drafts, runners = parts
+    draft = drafts["wrong"]
+    sched = SpecPipeScheduler(2, draft, width=2, policy="best-first", topk=2, rounds=3)
+    d = Driver(sched, runners)
+    prompt = prompts(1, seed=3)[0]
+    sched.add(Request("ch", prompt, 8))
+    d.drain()
+    d.step("job start")                       # prefill + the root's children (the root was not expanded)
+    d.step("job done")
+    d.step("job start")                       # the injection's three rounds, chained
+    job = d.job[0]
+    assert "ch" in job.chains and len(d.job[1].chained["ch"]) == 3
+    while d.results:
+        d.step("result")
+    later = {i for done in d.job[1].chained["ch"][1:] for i in done.node_ids.tolist()}
+    d.step("job done")
+    tree = sched.trees["ch"]
+    assert later and not later & set(tree.nodes), "the later rounds' nodes hung below pruned ones"
+    assert later & draft_rows(draft, "ch"), "the draft computed them"
+    d.step("job start")                       # the queued prune goes to the draft ahead of the next job
+    d.step("job done")
+    tree = sched.trees["ch"]
+    assert draft_rows(draft, "ch") <= set(tree.nodes), "every row the draft holds is a node of the tree"
+    while d.choices():
+        d.step(d.choices()[0])
+    assert d.tokens["ch"] == hf_greedy(tiny_hf, prompt, 8)
     assert_nothing_left(sched, runners, draft)
 
 

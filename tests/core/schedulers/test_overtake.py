@@ -71,12 +71,14 @@ def test_overtaking_prompts_under_staggered_arrivals_and_cancellations_are_exact
     its own seed. specpipe: some micro-batch overtook (S + 1 in flight, never more), a sampled request's among
     them, and two requests are cancelled one tick after they arrive, while their overtaking micro-batch is in
     the pipeline; cb-pp (the same arrivals): never more than S. Every other output is its greedy output alone,
-    or exactly plain seeded sampling from the target; no state is left."""
+    or exactly plain seeded sampling from the target; no state is left. (The arrivals were chosen for a draft
+    job per round, `chain=False`: which first chunks overtake depends on when the draft's jobs come back;
+    chained rounds under cancellations: tests/core/schedulers/test_draft_beside.py.)"""
     S = 4
     runners = make_runners(tiny_model8, S, layers=8)
     draft = make_draft("quant", tiny_model8, None) if method == "specpipe" else None
     sched = CBPPScheduler(S, node_budget=12, prefill_chunk=5) if method == "cb-pp" else \
-        SpecPipeScheduler(S, draft, width=4, node_budget=12, prefill_chunk=5)
+        SpecPipeScheduler(S, draft, width=4, node_budget=12, prefill_chunk=5, chain=False)
     depth: list[int] = []             # micro-batches in flight whenever the driver takes the actions
     overtook: set[str] = set()        # requests whose first chunk went in as micro-batch S + 1
     poll = sched.poll

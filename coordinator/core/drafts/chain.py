@@ -1,0 +1,119 @@
+"""Chained draft rounds: a job's later rounds chosen by the draft itself, so the coordinator makes and applies
+one job per step instead of one per round.
+
+Why. Beside GPU stages the draft runs `rounds` rounds a step (coordinator/core/schedulers/specpipe.py). Made
+one by one, each round costs the coordinator a call (`draft_next`: apply the last round, choose the next) that
+starts cold after the draft's forward: at width 32 x 3 rounds, ~2.9 calls and ~0.9 ms of its ~1.2 ms a step.
+Chained, the coordinator makes the first round as before and hands the draft, with it, what it needs to choose
+the next rounds the way the tree would (`TreeSelection.expand_rows`): the next-best usable nodes of the tree
+(`frontier`, in rank order) and the rule's parameters. After each round the draft scores the children it
+proposed (parent's score + log-prob), takes the best `width` of them and the frontier by (-score, not injected,
+depth, id), the spine's tip first, and runs the next round; what it did not take is the frontier of the rounds
+after (as many nodes as they can take). Absent results in between, the rounds expand the
+same nodes as rounds made one by one; a result meanwhile is handled as for any job (what it pruned is dropped
+when the job is applied, and the draft frees it with the queued prune: the frontier is marked asked so a prune
+names it).
+
+Ids. The draft computes the children it chose, so their ids are fixed before the tree has them: the job
+reserves a block of the request's ids (`first`), and the children of the i-th node of round r are
+first + (r * width + i) * topk + j, j = 0..topk-1 (ids grow with rows, as the tree keeps them; a round with
+fewer nodes leaves gaps). Only a restart makes a node while the job runs, and it prunes every node of the job.
+
+Worked example (width 2, topk 2, frontier [f: -0.9]): round 1 expands [a: -0.1, b: -0.5]; the draft proposes
+a -> (x: -0.2, y: -2.0), b -> (z: -0.1, w: -3.0). Scores: x -0.3, y -2.1, z -0.6, w -3.5, f -0.9: round 2
+expands [x, z]; their children are ids first + 4..7.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from coordinator.core.drafts.base import DraftNodes
+from coordinator.core.proposals import ProposalRows
+
+
+@dataclass
+class ChainRound:
+    """One round the draft ran: the nodes it expanded and the ids their children get."""
+    node_ids: np.ndarray        # [m] int64
+    proposals: ProposalRows     # [m, k]
+    child_ids: np.ndarray       # [m, k] int64
+
+
+@dataclass
+class Chain:
+    """A request's rounds after the first, chosen by the draft (module docstring). Made under the scheduler's
+    lock; read and advanced only on the draft's side while the job runs."""
+    rounds: int                 # rounds in all, the first included
+    width: int
+    topk: int
+    first: int                  # the first reserved id
+    max_depth: int              # nodes at this depth or deeper are not expanded
+    skip: frozenset[int]        # tokens with no children (EOS)
+    tip_limit: int              # the spine's tip is taken first while its depth is below this (-1: no spine)
+    # the round being computed: [m] each
+    ids: np.ndarray
+    depths: np.ndarray
+    scores: np.ndarray
+    tip: int                    # index in the round of the spine's tip (-1: none)
+    # the frontier, in rank order: [f] each
+    f_ids: np.ndarray
+    f_parents: np.ndarray
+    f_depths: np.ndarray
+    f_tokens: np.ndarray
+    f_scores: np.ndarray
+    f_injected: np.ndarray
+    asked: np.ndarray = field(init=False)    # the tree's frontier as made (its nodes are marked asked)
+    done: list[ChainRound] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.asked = self.f_ids
+
+    def step(self, proposals: ProposalRows) -> DraftNodes | None:
+        """The round just computed proposed these children (one row per node of the round, as given): record
+        them with their ids, and return the next round's nodes (None: the chain is done)."""
+        r = len(self.done)
+        m, k = proposals.tokens.shape
+        child_ids = self.first + (r * self.width + np.arange(m))[:, None] * self.topk + np.arange(k)
+        self.done.append(ChainRound(self.ids, proposals, child_ids))
+        if len(self.done) >= self.rounds or not m:
+            return None
+        valid = proposals.valid() if not proposals.full else np.ones((m, k), bool)
+        scores = self.scores[:, None] + proposals.logps           # [m, k] cumulative
+        depths = np.repeat(self.depths + 1, k)
+        tokens, ids = proposals.tokens.ravel(), child_ids.ravel()
+        usable = valid.ravel() & (depths < self.max_depth)
+        for token in self.skip:
+            usable &= tokens != token
+        tip = -1                                                  # the spine goes on through the tip's best child
+        if self.tip >= 0 and valid[self.tip].any():
+            c = self.tip * k + int(np.where(valid[self.tip], scores[self.tip], -np.inf).argmax())
+            if usable[c] and depths[c] < self.tip_limit:
+                tip = c
+        parents = np.repeat(self.ids, k)
+        # candidates: the children, then the frontier; keys (-score, not injected, depth, id)
+        c_ids = np.concatenate((ids, self.f_ids))
+        c_parents = np.concatenate((parents, self.f_parents))
+        c_depths = np.concatenate((depths, self.f_depths))
+        c_tokens = np.concatenate((tokens, self.f_tokens))
+        c_scores = np.concatenate((scores.ravel(), self.f_scores))
+        c_injected = np.concatenate((np.zeros(m * k, bool), self.f_injected))
+        pool = np.concatenate((usable, np.ones(len(self.f_ids), bool)))
+        if tip >= 0:
+            pool[tip] = False
+        ranked = pool.nonzero()[0]
+        ranked = ranked[np.lexsort((c_ids[ranked], c_depths[ranked], ~c_injected[ranked], -c_scores[ranked]))]
+        take = self.width - (tip >= 0)
+        rows = np.concatenate(([tip], ranked[:take])) if tip >= 0 else ranked[:take]
+        if not len(rows):
+            return None
+        rows = rows[np.lexsort((c_ids[rows], c_depths[rows]))]     # parents first
+        # the rest, in rank order, is the frontier of the rounds after the next (as many as they can take)
+        rest = ranked[take:take + (self.rounds - len(self.done) - 1) * self.width]
+        self.f_ids, self.f_parents, self.f_depths = c_ids[rest], c_parents[rest], c_depths[rest]
+        self.f_tokens, self.f_scores, self.f_injected = c_tokens[rest], c_scores[rest], c_injected[rest]
+        self.ids, self.depths, self.scores = c_ids[rows], c_depths[rows], c_scores[rows]
+        self.tip = int(np.flatnonzero(rows == tip)[0]) if tip >= 0 else -1
+        return DraftNodes([], self.ids.tolist(), c_parents[rows].tolist(), self.depths.tolist(),
+                          c_tokens[rows].tolist())
