@@ -11,6 +11,7 @@ import torch
 
 from coordinator.bench.run import BenchConfig, Variant, summarize, table
 from coordinator.core.drafts.base import DraftNode
+from coordinator.core.drafts.job import DraftResults
 from coordinator.core.schedulers.base import Emit, Finish, Inject, Request
 from coordinator.core.stats import RequestStats
 from coordinator.bench.common import poisson_arrivals
@@ -178,10 +179,11 @@ class DraftBeside:
     def draft_job(self):
         self.has_work = False
 
-        def run(draft):
+        def steps(draft):                  # (DraftJob.steps: a generator returning the results)
             draft.calls += 1
-            return "proposals"
-        return SimpleNamespace(run=run)
+            return DraftResults()
+            yield                              # no chained rounds to pause at
+        return SimpleNamespace(steps=steps)
 
     def draft_next(self, job, results):
         self.done = results
@@ -550,3 +552,37 @@ def test_replay_needs_a_recorded_run_of_a_draft_beside_scheduler():
     inline = SimpleNamespace(drafts_beside=False, draft=FakeDraft())
     with pytest.raises(ValueError, match="runs its draft in line"):
         pipe.replay(inline)
+
+
+@pytest.mark.parametrize("draft_ms, stage_ms, cut", [(0.01, 50.0, False), (40.0, 5.0, True)])
+def test_a_result_arriving_during_chained_rounds_cuts_them_on_the_simulated_clock(tiny_model, draft_ms, stage_ms,
+                                                                                  cut):
+    """Chained rounds (coordinator/core/drafts/chain.py) stop at a round's end once a result has come back, as
+    the engine's scheduler cuts them (DraftJob.cut). A draft whose rounds fit well inside a stage step runs
+    every chain whole (but where it runs out of nodes to expand, near the request's end); one slower than the
+    results' pace is cut after each chain's first round, and the rest go in the next job. Exact either way."""
+    from coordinator.core.drafts.model import ModelDraft, quantized_copy
+    from coordinator.core.schedulers.registry import SpecOptions, make_scheduler
+    from helpers.reference import hf_greedy, prompts
+    from helpers.shard import make_runners
+    draft = ModelDraft(quantized_copy(str(tiny_model)), name="quant")
+    sched = make_scheduler("specpipe", 4, SpecOptions(draft, width=4, topk=3, draft_rounds=3))
+    seen = []                                  # (rounds the chain was due, rounds run, cut) of each chained job
+    apply = sched.draft_next
+
+    def recorded(job, results):
+        seen.extend((c.rounds, len(results.chained.get(r, ())), results.cut) for r, c in job.chains.items())
+        return apply(job, results)
+    sched.draft_next = recorded
+    pipe = SimulatedPipeline(make_runners(tiny_model, 1), (stage_ms, 0.0), num_stages=4, hop_ms=0.1,
+                             draft_time=(draft_ms, 0.0), control_scale=0.0)
+    prompt = prompts(1, seed=3)[0]
+    out = pipe.run(sched, [Request("a", prompt, 16)], draft=draft)["a"]
+    assert seen and all(due > 1 for due, _, _ in seen)
+    if cut:
+        assert all(ran == 1 and was_cut for _, ran, was_cut in seen), seen
+    else:
+        assert not any(was_cut for _, _, was_cut in seen)     # (near the end a chain may run out of nodes)
+        assert sum(ran == due for due, ran, _ in seen) > 0.8 * len(seen)
+    from services.model.shard import load_causal_lm
+    assert out.tokens == hf_greedy(load_causal_lm(str(tiny_model), torch.float32, "cpu"), prompt, 16)

@@ -25,7 +25,7 @@ expansion becomes that request's error; one from a whole model call, the error o
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -69,6 +69,7 @@ class DraftJob:
     # last rows of its expansion (the rows before are committed nodes the draft had not computed)
     asked_at: dict[str, tuple[int, np.ndarray]] = field(default_factory=dict)   # request -> (its tree's
     # `NodeArrays.layout`, [len(tree_nodes)] the nodes' rows) when asked (TokenTree.add_asked)
+    cut: bool = False      # set by the scheduler when a result comes back: chained rounds stop at a round's end
     chains: dict[str, Chain] = field(default_factory=dict)   # request -> its later rounds, chosen by the draft
     # (coordinator/core/drafts/chain.py); its first round is its entry in `expand`
 
@@ -78,7 +79,20 @@ class DraftJob:
 
     def run(self, draft: DraftSource) -> "DraftResults":
         """Prefill, apply the bookkeeping (a request's commits may precede its prefill: they were queued
-        before the draft held it), expand; never raises (failures are per request)."""
+        before the draft held it), expand; never raises (failures are per request). Chained rounds stop at a
+        round's end once `cut` is set: the scheduler sets it when a result comes back, since the rounds done
+        are wanted now; the rest go in the next job, chosen from the tree as it is then."""
+        steps = self.steps(draft)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def steps(self, draft: DraftSource) -> Generator[None, None, "DraftResults"]:
+        """`run`, pausing at the end of each chained round but the last (before it checks `cut`): the
+        simulated clock lets the round's modelled time pass there, so results arriving meanwhile cut it as
+        they would on the engine. Returns the results."""
         out = DraftResults()
         before = draft.compute_s
         if self.begin:
@@ -115,11 +129,11 @@ class DraftJob:
                 if request_id in self.keep_q:
                     out.q[request_id] = {n.node_id: draft.take_q(request_id, n.node_id) for n in nodes}
             if self.chains:
-                self._chain(draft, out, {request_id: len(nodes) for request_id, nodes in expand})
+                yield from self._chain(draft, out, {request_id: len(nodes) for request_id, nodes in expand})
         out.compute_ms = (draft.compute_s - before) * 1e3
         return out
 
-    def _chain(self, draft: DraftSource, out: "DraftResults", asked: dict[str, int]) -> None:
+    def _chain(self, draft: DraftSource, out: "DraftResults", asked: dict[str, int]) -> Generator[None, None, None]:
         """The chained requests' later rounds (coordinator/core/drafts/chain.py), batched across requests: after
         each round every chain chooses its next nodes; a request that fails stops there (its error)."""
         due: dict[str, ProposalRows] = {}
@@ -143,6 +157,10 @@ class DraftJob:
                     nxt.append((request_id, nodes))
             out.select_ms += (time.perf_counter() - started) * 1e3
             if not nxt:
+                break
+            yield                            # a round's end
+            if self.cut:
+                out.cut = True
                 break
             try:
                 results: list[Proposals | Exception] = draft.expand_many(nxt, self.topk)
@@ -174,4 +192,5 @@ class DraftResults:
     chained: dict[str, list[ChainRound]] = field(default_factory=dict)   # request -> its rounds, the first
     # included, when the job chained them (the ids its children get)
     rounds: int = 1                  # the model calls of the expansion (chained rounds)
+    cut: bool = False                # the chains stopped early (`DraftJob.cut`): their other rounds are due
     select_ms: float = 0.0           # the chains' choice of their next nodes (Python on the draft's thread)

@@ -30,7 +30,7 @@ from common.batch import MicroBatch, Segment
 from common.sampling import uniform
 
 from coordinator.core.drafts.base import DraftNode, DraftSource
-from coordinator.core.drafts.job import DraftOp, OpKind
+from coordinator.core.drafts.job import DraftJob, DraftOp, OpKind
 from coordinator.core.schedulers.base import RequestState
 from coordinator.core.schedulers.batching import BatchingScheduler
 from coordinator.core.schedulers.specpipe_draft import DraftBeside
@@ -62,6 +62,7 @@ class SpecPipeScheduler(DraftBeside, BatchingScheduler):
         self.draft, self.width, self.policy, self.topk = draft, width, policy, topk
         self.rounds = 1 if policy == TreePolicy.LAYER else rounds     # draft calls per step (run-ahead)
         self.chain = chain and draft.chains      # a step's rounds in one job (coordinator/core/drafts/chain.py)
+        self.out_job: DraftJob | None = None     # the job the draft computes (at most one): a result cuts its chains
         self.trees: dict[str, TokenTree] = {}
         self.pending: dict[str, int] = {}            # request -> draft rounds still due since its last injection
         self.begun: set[str] = set()                 # requests whose prompt the draft has seen
@@ -207,6 +208,8 @@ class SpecPipeScheduler(DraftBeside, BatchingScheduler):
         self._control_ms += ms
 
     def on_result(self, batch: MicroBatch) -> None:
+        if self.out_job is not None:      # the chained rounds done so far are wanted now (DraftJob.cut)
+            self.out_job.cut = True
         if self.sizer is not None:
             self._observe(batch)
         committed, running = self._committed, len(self.requests)

@@ -61,6 +61,7 @@ class DraftBeside:
     topk: int
     policy: str
     chain: bool
+    out_job: DraftJob | None
 
     @property
     def has_work(self) -> bool:
@@ -108,6 +109,7 @@ class DraftBeside:
                 self._ask(job, request_id, *tree.ask(rows, state.root_parent))
                 job.asked_at[request_id] = (tree.a.layout, rows)
         if job.ops or job.begin or job.expand:
+            self.out_job = job
             return job
         self._dispatch()                  # nothing to compute: the rounds counted down may free a request
         return None
@@ -154,6 +156,8 @@ class DraftBeside:
         return self.draft_job() if self.has_work else None
 
     def _apply(self, job: DraftJob, results: DraftResults) -> None:
+        if self.out_job is job:
+            self.out_job = None
         if self.sizer is not None and job.expand and not job.begin and not results.errors:
             rows = sum(len(nodes) for _, nodes in job.expand) + \
                 sum(len(done.node_ids) for chain in results.chained.values() for done in chain[1:])
@@ -180,6 +184,9 @@ class DraftBeside:
             a = tree.a
             rows, live = tree.rows(chain.asked)        # the frontier the draft left: askable again
             a.asked[rows[live & ~a.expanded[rows]]] = False
+            left = chain.rounds - len(results.chained.get(request_id, ()))
+            if results.cut and left > 0 and request_id not in self.plain:    # cut short by a result: the
+                self.pending[request_id] = max(self.pending.get(request_id, 0), left)    # rest, from the tree
         for request_id, nodes in job.tree_nodes.items():
             if request_id not in self.requests or request_id not in results.proposals:
                 continue

@@ -53,7 +53,6 @@ from dataclasses import dataclass, field
 from common.batch import MicroBatch, StageTrace
 from services.runner import StageRunner
 
-from coordinator.core.drafts.job import DraftResults
 from coordinator.core.schedulers.base import Broadcast, Emit, Finish, Inject, Request, Scheduler
 from coordinator.core.stats import RequestStats
 from coordinator.engine.meter import StepMeter, timed
@@ -222,23 +221,37 @@ class SimulatedPipeline:
             return launch(t, job)
 
         def launch(t: float, job) -> float:
-            """The draft computes `job` now (None: nothing) and its results come back when the draft-time
-            model says."""
-            nonlocal draft_free, drafting
-            if job is None:
-                return t
-            before = self._draft_counters(draft)
-            results = job.run(draft)
-            # the draft's modelled time, and its KV bookkeeping's measured time (charged like control time)
-            spent = self._draft_spent(before, self._draft_counters(draft)) + \
-                (getattr(results, "bookkeeping_ms", 0.0) + getattr(results, "select_ms", 0.0)) * self.control_scale
-            self.steps.add(0.0, spent)
-            self.draft_ms += spent
-            drafting, draft_free = True, max(t, draft_free) + spent
-            if isinstance(results, DraftResults):      # the scheduler sees the draft's modelled time
-                results.compute_ms = spent
-            push(draft_free, "drafted", (job, results))
+            """The draft starts `job` (None: nothing) as soon as it is idle; its results come back when the
+            draft-time model says. Returns when the coordinator is free again (at t: the draft is its own)."""
+            nonlocal drafting
+            if job is not None:
+                drafting = True
+                advance(max(t, draft_free), job, job.steps(draft), 0.0)
             return t
+
+        def advance(t: float, job, steps, spent: float) -> None:
+            """The draft computes the job on from t: up to its end ("drafted"), or to the end of a chained
+            round ("round", then on from there): a result handled meanwhile cuts the job's other rounds
+            (DraftJob.cut), as on the engine. `spent`: the job's draft time so far."""
+            nonlocal draft_free
+            before = self._draft_counters(draft)
+            try:
+                next(steps)
+            except StopIteration as done:
+                results = done.value
+                # the draft's modelled time, and its own Python's measured time (KV bookkeeping, the chains'
+                # choices: charged like control time)
+                last = self._draft_spent(before, self._draft_counters(draft)) + \
+                    (results.bookkeeping_ms + results.select_ms) * self.control_scale
+                spent += last
+                self.steps.add(0.0, spent)
+                self.draft_ms += spent
+                draft_free = t + last
+                results.compute_ms = spent          # the scheduler sees the draft's modelled time
+                push(draft_free, "drafted", (job, results))
+                return
+            now = self._draft_spent(before, self._draft_counters(draft))
+            push(t + now, "round", (job, steps, spent + now))
 
         def work(t: float) -> float:
             """One round of draft work from t; the next round queues behind what arrived meanwhile."""
@@ -299,6 +312,8 @@ class SimulatedPipeline:
             elif kind == "work":
                 coord_free = work(max(t, coord_free))
                 admit(coord_free)
+            elif kind == "round":
+                advance(t, *payload)
             elif kind == "drafted":
                 coord_free = drafted(max(t, coord_free), *payload)
                 admit(coord_free)

@@ -36,8 +36,10 @@ class Driver:
     """The scheduler's events in an order the test chooses: results return oldest first (the pipeline keeps
     order), at most one draft job is out at a time (the engine's draft thread), cancels at any point."""
 
-    def __init__(self, sched: SpecPipeScheduler, runners) -> None:
-        self.sched, self.runners = sched, runners
+    def __init__(self, sched: SpecPipeScheduler, runners, lazy: bool = False) -> None:
+        """`lazy`: a job is computed when it comes back, not when it starts, so the results handled meanwhile
+        cut its chained rounds (DraftJob.cut) as on the engine."""
+        self.sched, self.runners, self.lazy = sched, runners, lazy
         self.results: list = []
         self.job: tuple[DraftJob, DraftResults] | None = None
         self.tokens: dict[str, list[int]] = {}
@@ -52,6 +54,10 @@ class Driver:
             assert finish.request_id not in self.finished, f"{finish.request_id} finished twice"
             self.finished[finish.request_id] = finish
 
+    def _start(self, job: DraftJob | None) -> None:
+        if job is not None:                   # the draft sees only what the job carries
+            self.job = (job, None if self.lazy else job.run(self.sched.draft))
+
     def choices(self) -> list[str]:
         out = ["result"] if self.results else []
         if self.job is not None:
@@ -64,19 +70,15 @@ class Driver:
         if choice == "result":
             self.sched.on_result(self.results.pop(0))
         elif choice == "job start":
-            job = self.sched.draft_job()
-            if job is not None:                   # computed now: the draft sees only what the job carries
-                self.job = (job, job.run(self.sched.draft))
+            self._start(self.sched.draft_job())
         elif choice == "job done":
             job, results = self.job
             self.job = None
-            self.sched.draft_done(job, results)
+            self.sched.draft_done(job, results or job.run(self.sched.draft))
         else:
             job, results = self.job
             self.job = None
-            job = self.sched.draft_next(job, results)
-            if job is not None:
-                self.job = (job, job.run(self.sched.draft))
+            self._start(self.sched.draft_next(job, results or job.run(self.sched.draft)))
         self.drain()
 
 
@@ -86,15 +88,17 @@ FUZZ = settings(deadline=None, max_examples=40, suppress_health_check=[HealthChe
 
 @FUZZ
 @given(draft=st.sampled_from(["quant", "right", "wrong"]), policy=st.sampled_from(["hybrid", "best-first", "layer"]),
-       width=st.integers(1, 6), sampled=st.booleans(), rounds=st.integers(1, 3), chain=st.booleans(), data=st.data())
+       width=st.integers(1, 6), sampled=st.booleans(), rounds=st.integers(1, 3), chain=st.booleans(),
+       lazy=st.booleans(), data=st.data())
 def test_any_order_of_draft_jobs_results_and_cancels_is_exact(parts, tiny_hf, draft, policy, width, sampled, rounds,
-                                                              chain, data):
+                                                              chain, lazy, data):
     """`chain`: a step's rounds in one job, the draft choosing the later ones (coordinator/core/drafts/chain.py);
-    results meanwhile prune what it expands."""
+    results meanwhile prune what it expands; `lazy`: a job computed when it comes back, so those results cut
+    its chains."""
     drafts, runners = parts
     sched = SpecPipeScheduler(2, drafts[draft], width=width, policy=policy, topk=3, node_budget=8, rounds=rounds,
                               chain=chain)
-    d = Driver(sched, runners)
+    d = Driver(sched, runners, lazy)
     k = next(IDS)
     ps = prompts(3, seed=data.draw(st.integers(0, 6)))
     sampling = Sampling(temperature=0.8, seed=11) if sampled else Sampling()
@@ -133,8 +137,10 @@ CHOICES = [NONE, Choice(1, 2, 1), Choice(3, 3, 2), Choice(6, 3, 1)]
 
 @FUZZ
 @given(draft=st.sampled_from(["quant", "right", "wrong"]), policy=st.sampled_from(["hybrid", "best-first", "layer"]),
-       sampled=st.booleans(), verify=st.sampled_from(["match", "rejection"]), chain=st.booleans(), data=st.data())
-def test_the_cost_rule_switching_at_any_result_is_exact(parts, tiny_hf, draft, policy, sampled, verify, chain, data):
+       sampled=st.booleans(), verify=st.sampled_from(["match", "rejection"]), chain=st.booleans(), lazy=st.booleans(),
+       data=st.data())
+def test_the_cost_rule_switching_at_any_result_is_exact(parts, tiny_hf, draft, policy, sampled, verify, chain, lazy,
+                                                       data):
     """Width, topk, rounds or none changing after any result (requests going plain with micro-batches of
     speculation in flight, plain requests rejoining, the draft catching up on what it never computed), in any
     order of results and draft jobs: greedy and seeded `match` output stay the target's own, `rejection` ends
@@ -143,7 +149,7 @@ def test_the_cost_rule_switching_at_any_result_is_exact(parts, tiny_hf, draft, p
     sizer = Scripted(2, lambda: data.draw(st.sampled_from(CHOICES)))
     sched = SpecPipeScheduler(2, drafts[draft], width=6, policy=policy, topk=3, node_budget=8, rounds=2,
                               verify=verify, sizer=sizer, chain=chain)
-    d = Driver(sched, runners)
+    d = Driver(sched, runners, lazy)
     k = next(IDS)
     ps = prompts(3, seed=data.draw(st.integers(0, 6)))
     sampling = Sampling(temperature=0.8, seed=11) if sampled else Sampling()
@@ -235,28 +241,34 @@ def test_a_prune_while_a_job_computes_drops_its_proposals_and_frees_its_rows(par
 def test_a_chained_job_expands_the_nodes_that_rounds_made_one_by_one_would(parts, policy, sampled):
     """With no result in between (and no injection: dispatch is off), one job chaining three rounds grows the
     same tree as three jobs of a round each: the same nodes, by their paths of tokens, with the same scores,
-    expanded or not alike; the coordinator made two jobs instead of four (the first, the root's, is alone)."""
+    expanded or not alike; the coordinator made two jobs instead of four (the first, the root's, is alone).
+    Chains cut after every round (`DraftJob.cut`, as a result arriving would) grow it too, in four jobs: the
+    rounds not run are due again."""
     drafts, runners = parts
     grown, jobs = {}, {}
     draft = drafts["right"]              # (not `quant`: its int8 activations are scaled per batch, so a node's
-    for chain in (True, False):          # proposals depend on which rows share its call)
-        sched = SpecPipeScheduler(4, draft, width=3, policy=policy, topk=3, rounds=4, chain=chain)
+    for mode in ("chain", "cut", "rounds"):    # proposals depend on which rows share its call)
+        sched = SpecPipeScheduler(4, draft, width=3, policy=policy, topk=3, rounds=4, chain=mode != "rounds")
         sched._dispatch = lambda: None
-        rid = f"eq-{policy}-{sampled}-{chain}"
+        rid = f"eq-{policy}-{sampled}-{mode}"
         sampling = Sampling(temperature=0.8, seed=5) if sampled else Sampling()
         sched.add(Request(rid, prompts(1, seed=4)[0], 20, sampling=sampling))
-        jobs[chain] = 0
+        jobs[mode] = 0
         while (job := sched.draft_job()) is not None:
-            jobs[chain] += 1
-            assert bool(job.chains) == (chain and jobs[chain] == 2)
-            sched.draft_done(job, job.run(sched.draft))
+            jobs[mode] += 1
+            assert bool(job.chains) == (mode == "chain" and jobs[mode] == 2 or mode == "cut" and jobs[mode] in (2, 3))
+            job.cut = mode == "cut"
+            results = job.run(sched.draft)
+            assert results.cut == (mode == "cut" and bool(job.chains)) and results.rounds == (3 if mode == "chain"
+                                                                                             and job.chains else 1)
+            sched.draft_done(job, results)
         tree = sched.trees[rid]
-        grown[chain] = {tuple(tree.path_tokens(i)): (bool(tree.nodes[i].expanded), round(tree.nodes[i].score, 4))
-                        for i in tree.nodes}
+        grown[mode] = {tuple(tree.path_tokens(i)): (bool(tree.nodes[i].expanded), round(tree.nodes[i].score, 4))
+                       for i in tree.nodes}
         draft.release(rid)
-    assert jobs == {True: 2, False: 4}
-    assert sum(e for e, _ in grown[False].values()) == 1 + 3 * 3, "the root, then 3 rounds of width 3"
-    assert grown[True] == grown[False]
+    assert jobs == {"chain": 2, "cut": 4, "rounds": 4}
+    assert sum(e for e, _ in grown["rounds"].values()) == 1 + 3 * 3, "the root, then 3 rounds of width 3"
+    assert grown["chain"] == grown["rounds"] and grown["cut"] == grown["rounds"]
 
 
 def draft_rows(draft: ModelDraft, request_id: str) -> set[int]:
