@@ -14,6 +14,11 @@ same nodes as rounds made one by one; a result meanwhile is handled as for any j
 when the job is applied, and the draft frees it with the queued prune: the frontier is marked asked so a prune
 names it).
 
+Cut. A result that comes back while a chain runs wants the rounds done so far: the scheduler sets the job's
+`cut` flag (coordinator/core/drafts/job.py) and the chain stops at the end of its round; the rounds not run are
+due again and chosen from the tree as the result left it. A draft slow against the stages is cut after every
+first round, which is rounds made one by one.
+
 Ids. The draft computes the children it chose, so their ids are fixed before the tree has them: the job
 reserves a block of the request's ids (`first`), and the children of the i-th node of round r are
 first + (r * width + i) * topk + j, j = 0..topk-1 (ids grow with rows, as the tree keeps them; a round with

@@ -307,7 +307,9 @@ class SpecPipeScheduler(DraftBeside, BatchingScheduler):
                     state.spec.warm_restarts += 1
                     node, pruned = proposed, tree.reroot(proposed)
                 else:
-                    if not (root.expanded or root.asked):   # the bonus's parent reaches the draft before it
+                    # the bonus's parent reaches the draft before it (a chain's frontier is asked but may be left:
+                    # then it stays unseen, `_apply`)
+                    if not root.expanded and (not root.asked or self._in_frontier(request_id, root.id)):
                         self.unseen.setdefault(request_id, []).append(DraftNode(root.id, state.root_parent, root.depth,
                                                                          root.token))
                     node, pruned = tree.restart(token)
@@ -322,6 +324,12 @@ class SpecPipeScheduler(DraftBeside, BatchingScheduler):
             if child is None:
                 break             # the new root has no target token yet
         return True
+
+    def _in_frontier(self, request_id: str, node_id: int) -> bool:
+        """The node is asked as the frontier of the chained job out (coordinator/core/drafts/chain.py), which may
+        leave it uncomputed."""
+        chain = self.out_job.chains.get(request_id) if self.out_job is not None else None
+        return chain is not None and bool((chain.asked == node_id).any())
 
     def _decide(self, state: RequestState, tree: TokenTree) -> tuple[int | None, int]:
         """Rejection verification at the root: its injected children, in the draft's order up to the first

@@ -184,7 +184,13 @@ class DraftBeside:
             a = tree.a
             rows, live = tree.rows(chain.asked)        # the frontier the draft left: askable again
             a.asked[rows[live & ~a.expanded[rows]]] = False
-            left = chain.rounds - len(results.chained.get(request_id, ()))
+            done = results.chained.get(request_id, ())
+            if self.unseen.get(request_id):          # a frontier node committed, then restarted from: the chain
+                computed = {i for r in done for i in r.node_ids.tolist()}      # computed it, or it stays unseen
+                self.unseen[request_id] = [n for n in self.unseen[request_id] if n.node_id not in computed]
+                if not self.unseen[request_id]:
+                    del self.unseen[request_id]
+            left = chain.rounds - len(done)
             if results.cut and left > 0 and request_id not in self.plain:    # cut short by a result: the
                 self.pending[request_id] = max(self.pending.get(request_id, 0), left)    # rest, from the tree
         for request_id, nodes in job.tree_nodes.items():

@@ -120,6 +120,29 @@ def test_any_order_of_draft_jobs_results_and_cancels_is_exact(parts, tiny_hf, dr
         forget(reqs, runners, drafts[draft])       # nothing to the next
 
 
+@settings(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(width=st.integers(1, 2), data=st.data())
+def test_chained_jobs_cut_by_results_in_any_order_are_exact(parts, tiny_hf, width, data):
+    """Chains of three rounds (the `quant` draft, often right but not always), each computed when it comes
+    back, in any order of results: a result commits a node of a chain's frontier before the chain computes it
+    (or without it ever doing so: cut), then misses there, so the bonus's parent must reach the draft
+    (`unseen`) unless the chain computed it. Every output is the target's own; nothing is left."""
+    drafts, runners = parts
+    sched = SpecPipeScheduler(2, drafts["quant"], width=width, policy="best-first", topk=2, node_budget=8, rounds=3)
+    d = Driver(sched, runners, lazy=True)
+    k = next(IDS)
+    reqs = [Request(f"c{k}-{i}", p, 10) for i, p in enumerate(prompts(3, seed=data.draw(st.integers(0, 20))))]
+    try:
+        run(sched, d, reqs, 1000, data)                          # (none cancelled)
+        for r in reqs:
+            assert d.finished[r.request_id].reason == "length", d.finished[r.request_id].error
+            assert d.tokens[r.request_id] == hf_greedy(tiny_hf, r.prompt_ids, 10)
+        assert_nothing_left(sched, runners, drafts["quant"])
+    finally:
+        forget(reqs, runners, drafts["quant"])
+
+
 class Scripted(Sizer):
     """A cost rule that switches, after every result, to whatever the test draws (none included)."""
 
