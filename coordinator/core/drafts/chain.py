@@ -22,7 +22,10 @@ first round, which is rounds made one by one.
 Ids. The draft computes the children it chose, so their ids are fixed before the tree has them: the job
 reserves a block of the request's ids (`first`), and the children of the i-th node of round r are
 first + (r * width + i) * topk + j, j = 0..topk-1 (ids grow with rows, as the tree keeps them; a round with
-fewer nodes leaves gaps). Only a restart makes a node while the job runs, and it prunes every node of the job.
+fewer nodes leaves gaps). Only a restart makes a node while the job runs, and no node of the job stays in the
+tree then (a committed one leaves it too): so the block is above every live id when the job is applied. The
+children the draft made below a node that left the tree meanwhile never reach it; the scheduler has the draft
+prune them (their ids are the block's, never committed).
 
 Worked example (width 2, topk 2, frontier [f: -0.9]): round 1 expands [a: -0.1, b: -0.5]; the draft proposes
 a -> (x: -0.2, y: -2.0), b -> (z: -0.1, w: -3.0). Scores: x -0.3, y -2.1, z -0.6, w -3.5, f -0.9: round 2
@@ -48,8 +51,8 @@ class ChainRound:
 
 @dataclass
 class Chain:
-    """A request's rounds after the first, chosen by the draft (module docstring). Made under the scheduler's
-    lock; read and advanced only on the draft's side while the job runs."""
+    """A request's chained rounds, the first included, the later ones chosen by the draft (module docstring).
+    Made under the scheduler's lock; read and advanced only on the draft's side while the job runs."""
     rounds: int                 # rounds in all, the first included
     width: int
     topk: int

@@ -1,5 +1,5 @@
-"""One round of draft work as data, so the draft can run beside the coordinator (its own thread; on the
-simulated clock its own resource) instead of in line with it.
+"""Draft work (a round, or chained rounds) as data, so the draft can run beside the coordinator (its own
+thread; on the simulated clock its own resource) instead of in line with it.
 
 A scheduler never calls the draft while it handles an event. It queues the draft's bookkeeping (`commit`,
 `prune`, `release`: the tree's commits and prunes mirrored into the draft's KV) and, when a round is due,

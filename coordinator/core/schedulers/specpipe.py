@@ -2,9 +2,10 @@
 that ideally one token commits per pipeline step instead of one per S steps.
 
 Per request, while fewer than S of its micro-batches are in flight: grow the tree (coordinator/core/tree.py)
-and inject the chosen nodes as one micro-batch; then the draft **runs ahead** (`rounds` draft jobs, beside the
+and inject the chosen nodes as one micro-batch; then the draft **runs ahead** (`rounds` rounds, beside the
 coordinator: `draft_job` in coordinator/core/schedulers/specpipe_draft.py, over coordinator/core/drafts/job.py;
-each one batched call expanding the best not-yet-expanded nodes, injected or not), so the next micro-batch
+each round one batched call expanding the best not-yet-expanded nodes, injected or not; chained in one job,
+coordinator/core/drafts/chain.py, unless a result cuts them), so the next micro-batch
 can take a node with its already-proposed descendants. `layer` is the paper's rule: one layer per step, the
 draft expands only what was injected. On a result, verify at the root: **hit** (`TokenTree.commit`), or
 **miss** with a warm restart (`reroot`) or a fresh **bonus** (`restart`), which the draft expands before it

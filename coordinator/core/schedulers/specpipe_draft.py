@@ -35,7 +35,7 @@ import numpy as np
 
 from coordinator.core.drafts.base import DraftNode, DraftNodes
 from coordinator.core.drafts.chain import Chain
-from coordinator.core.drafts.job import DraftJob, DraftOp, DraftResults
+from coordinator.core.drafts.job import DraftJob, DraftOp, DraftResults, OpKind
 from coordinator.core.schedulers.base import RequestState
 from coordinator.core.status import FinishReason, Status
 from coordinator.core.vocabulary import TreePolicy
@@ -191,17 +191,14 @@ class DraftBeside:
                 if not self.unseen[request_id]:
                     del self.unseen[request_id]
             left = chain.rounds - len(done)
-            if results.cut and left > 0 and request_id not in self.plain:    # cut short by a result: the
-                self.pending[request_id] = max(self.pending.get(request_id, 0), left)    # rest, from the tree
+            if results.cut and left > 0 and request_id not in self.plain:    # cut short by a result: the rest,
+                self.pending[request_id] = max(self.pending.get(request_id, 0), min(left, self.rounds))   # from
+                # the tree (no more than the rounds now chosen)
         for request_id, nodes in job.tree_nodes.items():
             if request_id not in self.requests or request_id not in results.proposals:
                 continue
             if request_id in job.chains:
-                tree = self.trees[request_id]
-                for done in results.chained.get(request_id, ()):
-                    keep = tree.add_chained(done.node_ids, done.proposals, done.child_ids)
-                    for node_id in keep if request_id in results.q else ():
-                        tree.q[node_id] = results.q[request_id].get(node_id)
+                self._apply_chain(request_id, job.chains[request_id], results)
                 continue
             rows = results.proposals[request_id]
             # (the rows before the tree's nodes are committed nodes the draft had not computed: `unseen`)
@@ -209,6 +206,22 @@ class DraftBeside:
             keep = tree.add_asked(nodes, rows, first=len(rows) - len(nodes), asked_at=job.asked_at.get(request_id))
             for node_id in keep if request_id in results.q else ():
                 tree.q[node_id] = results.q[request_id].get(node_id)
+
+    def _apply_chain(self, request_id: str, chain: Chain, results: DraftResults) -> None:
+        """A chained job's rounds become children, round by round. The nodes the draft made and computed whose
+        parent left the tree meanwhile (a commit then a restart there: the committed parent is not pruned, and
+        the tree never had them) are pruned in the draft (ids from the job's block: never committed)."""
+        tree = self.trees[request_id]
+        rounds = results.chained.get(request_id, ())
+        for done in rounds:
+            keep = tree.add_chained(done.node_ids, done.proposals, done.child_ids)
+            for node_id in keep if request_id in results.q else ():
+                tree.q[node_id] = results.q[request_id].get(node_id)
+        made = np.concatenate([done.node_ids for done in rounds[1:]] or [np.zeros(0, np.int64)])
+        made = made[made >= chain.first]
+        gone = made[~tree.rows(made)[1]] if len(made) else made
+        if len(gone):
+            self.draft_ops.append(DraftOp(OpKind.PRUNE, request_id, tuple(gone.tolist())))
 
     def _draft_now(self, job: DraftJob) -> None:
         """Run a job in line, the queued bookkeeping first, and apply it (the trip baselines)."""

@@ -240,7 +240,8 @@ class SimulatedPipeline:
             except StopIteration as done:
                 results = done.value
                 # the draft's modelled time, and its own Python's measured time (KV bookkeeping, the chains'
-                # choices: charged like control time)
+                # choices: charged like control time, all of it at the job's end, so a chained round ends
+                # that much early and a cut may come a little early)
                 last = self._draft_spent(before, self._draft_counters(draft)) + \
                     (results.bookkeeping_ms + results.select_ms) * self.control_scale
                 spent += last

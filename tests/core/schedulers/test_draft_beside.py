@@ -143,6 +143,37 @@ def test_chained_jobs_cut_by_results_in_any_order_are_exact(parts, tiny_hf, widt
         forget(reqs, runners, drafts["quant"])
 
 
+@settings(deadline=None, max_examples=30, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(policy=st.sampled_from(["hybrid", "best-first"]), data=st.data())
+def test_the_draft_holds_rows_only_of_tree_nodes_whenever_nothing_is_out(parts, tiny_hf, policy, data):
+    """Chains of three rounds with a right draft: results in any order commit a chained node and miss right
+    after it (its children in the tree are none yet), so the children the chain computed below it never reach
+    the tree and no prune of the tree names them. Whenever no job is out and no bookkeeping is queued, every
+    row the draft holds (committed ones aside) is a node of the tree: the draft was told to prune them."""
+    drafts, runners = parts
+    draft = drafts["right"]
+    sched = SpecPipeScheduler(2, draft, width=2, policy=policy, topk=2, node_budget=8, rounds=3)
+    d = Driver(sched, runners)
+    rid = f"h{next(IDS)}"
+    prompt = prompts(1, seed=data.draw(st.integers(0, 20)))[0]
+    sched.add(Request(rid, prompt, 24))
+    d.drain()
+    try:
+        while rid not in d.finished:
+            choices = d.choices()
+            assert choices, "the scheduler stalled"
+            d.step(data.draw(st.sampled_from(choices)))
+            if d.job is None and not sched.draft_ops and rid in sched.trees:
+                assert draft_rows(draft, rid) <= set(sched.trees[rid].nodes)
+        while d.choices():
+            d.step(d.choices()[0])
+        assert d.tokens[rid] == hf_greedy(tiny_hf, prompt, 24)
+        assert_nothing_left(sched, runners, draft)
+    finally:
+        forget([Request(rid, prompt, 24)], runners, draft)
+
+
 class Scripted(Sizer):
     """A cost rule that switches, after every result, to whatever the test draws (none included)."""
 
