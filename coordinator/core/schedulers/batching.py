@@ -38,7 +38,8 @@ work is done) under a shared row budget (`node_budget`):
    empty slot goes one stage time later, so the scheduler holds only while it pays: it watches whether a
    request arrives between each finish and the next result (held or not) and holds while that happened
    at least half the time lately (`FollowRate`; random arrivals rarely land in that window). There is
-   no timer: the next result ends the hold, so one must be in flight (S = 1 never holds). `cb-pp` does
+   no timer: the next result ends the hold, so one must be in flight (S = 1 never holds); and a slot must
+   be free (an overtaker of rule 3 may keep S in flight after the result: nothing to hold). `cb-pp` does
    not hold: the micro-batch it would refill carries the next sure token of each request in it.
 
        S = 8, A ends in a result while 7 micro-batches are in flight: none goes in (holding). B arrives ->
@@ -176,8 +177,8 @@ class BatchingScheduler(Scheduler):
     def _finish(self, state: RequestState, reason: FinishReason, error: str = "", error_code: int = 0) -> None:
         self.prefill_next.pop(state.request.request_id, None)
         super()._finish(state, reason, error, error_code)
-        if self.holds_finished_slot and self._in_result and self.in_flight and self.requests and \
-                reason in (FinishReason.LENGTH, FinishReason.EOS):
+        if self.holds_finished_slot and self._in_result and 0 < self.in_flight < self.num_stages and \
+                self.requests and reason in (FinishReason.LENGTH, FinishReason.EOS):
             self._watching = True     # rule 4: the next result (one is in flight) ends the hold at the latest
             self.holding = self.follow.pays
 

@@ -183,3 +183,23 @@ def test_a_closed_loop_through_held_slots_is_exact(tiny_model8, tiny_hf8, method
         assert into_held == []
     assert any(len(r.prompt_ids) > 5 for r in reqs), "a prompt longer than a chunk"
     assert_nothing_left(sched, runners, draft)
+
+
+class HoldingOvertaking(Holding):
+    overtakes = True        # as specpipe: a new prompt's first chunk may go in beyond a full pipeline
+
+
+def test_no_hold_while_an_overtaker_fills_the_pipeline():
+    """S = 2, A and B fill the pipeline, C's prompt overtakes (3 in flight). A's result ends A, leaving 2 in
+    flight: no slot is free, so none is held (a hold would count a lapse or a take that never was)."""
+    sched = HoldingOvertaking(2, node_budget=8, prefill_chunk=8)
+    sched.add(Request("A", [1, 2, 3], 1))
+    sched.add(Request("B", [4, 5, 6], 5))
+    m1, _ = injected(sched)
+    sched.add(Request("C", [7, 8], 5))
+    (m3,) = injected(sched)
+    assert rows_of(m3) == {"C": [0, 1]} and sched.in_flight == 3
+    assert back(sched, m1) == [] and sched.in_flight == 2   # A's one token ends it; the pipeline is full
+    assert not sched.holding
+    sched.add(Request("D", [10, 11, 12], 5))
+    assert injected(sched) == [] and (sched.holds_taken, sched.holds_lapsed) == (0, 0)
