@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from coordinator.core.drafts.factory import build_draft
+from coordinator.core.drafts.int8 import Int8WeightOnlyLinear
 from coordinator.core.drafts.model import parameter_count, quantized_copy
 
 
@@ -18,7 +19,8 @@ def test_quant_refuses_a_target_above_the_limit_with_a_way_out(tiny_model):
     with pytest.raises(ValueError, match=r"above the limit of .* use --draft model --draft-model"):
         quantized_copy(str(tiny_model), "cpu", max_params=n - 1)
     model = quantized_copy(str(tiny_model), "cpu", max_params=n)        # at the limit: built (int8 on CPU)
-    assert any("quantized" in type(m).__module__ for m in model.modules())
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert any(isinstance(m, Int8WeightOnlyLinear) for m in model.modules())
 
 
 @pytest.mark.parametrize("dtype, want", [("auto", torch.float32), ("bfloat16", torch.bfloat16)])
