@@ -53,19 +53,20 @@ What it chooses (`Sizer.step`, after every result; `choose` every max(8, 4 S) re
 2. **Measured where it ran, modelled where not** (`expected`): a choice that has run long enough is judged
    by its measured pace (committed tokens per ms between results: `MicroBatch.arrived_ms`); one that has
    not, by the model, scaled by how the choice in use fares against its own model (`calibration`: what the
-   model leaves out, shared cores, lag, refills).
+   model leaves out, shared cores, lag, refills). A pace counts from the second result of the choice's own
+   micro-batches (the first waits a whole trip), and a speculating one only after half a decision interval
+   more, while the tree the last choice grew is pruned and the draft works off its last rounds: on real
+   processes at S = 4, width 1 measured 82-99 ms a token over its first 8 results after the draft-bound
+   start and 42-46 once settled.
 3. **Hysteresis**: a change must promise MARGIN more than the choice in use, UNTRIED more when only the model
    speaks for it. Where stages share cores with the draft (`shared`), none is left only for a choice that
-   has a measured pace, and only by UNTRIED: there a speculating pace is measured over half a decision
-   interval beside stages it slows (on real processes at S=4 an 8-result pace of width 1 beat none's by 14%,
-   then ran at 63.5 ms a token against none's 53.1 for 51 results), and the calibration carried over from the
-   width that ran flatters a narrower one the model alone speaks for (out of none, width 4 x 1 rode on it and
-   then width 8 x 1 on an 8-result pace: 0.94x `pp`); at a load where nothing speculating has run, none
-   stays. Ties keep the current choice.
+   has a measured pace: the calibration carried over from the width that ran flatters a narrower one the
+   model alone speaks for (out of none, width 4 x 1 rode on it and then measured 0.94x `pp`); at a load
+   where nothing speculating has run, none stays. Ties keep the current choice.
 4. **topk by coverage** (`topk_for`, `Coverage`): a node's children are the draft's top-k proposals, and a rank
    the target never takes costs the tree a row and the coordinator its top-k lists, but buys nothing. The
-   ranks seen at the roots choose the smallest of 4, 8, 16, ... whose first k ranks hold COVER of the
-   target's tokens the largest topk proposes. Below the largest a rank beyond topk reads "not proposed": the
+   ranks seen at the roots choose the smallest of 4, 8, 16, ... (1, 2, 4, ... where a stage's rows are
+   dear: `least_topk`) whose first k ranks hold COVER of the target's tokens the largest topk proposes. Below the largest a rank beyond topk reads "not proposed": the
    ranks are a survival estimate under that censoring (Kaplan-Meier, `Coverage`), counted at every topk, and
    the topk in use is kept until it holds less than COVER by HOLD_Z standard errors. A draft that gets worse
    under a small topk leaves more roots unproposed, which lowers that topk's coverage until a larger one is
@@ -76,8 +77,8 @@ What it chooses (`Sizer.step`, after every result; `choose` every max(8, 4 S) re
        ranks 0..15 seen 72, 15, 6, 3, 2, 1, 1, 0, ... times (100 proposed): the first 4 hold 96% -> topk 4;
        a flat draft (every rank about as likely) keeps 16.
 
-   Measured (docs/benchmarks.md): the default model's `quant` draft holds 96% of its proposed root tokens in
-   its first 4 (98.8% in 8), and topk 4 commits as much per step as 16 over all 32 shipped prompts, at about
+   Measured (docs/benchmarks.md, with the dynamic-int8 `quant` draft of before 2026-12-07): the default
+   model's draft held 96% of its proposed root tokens in its first 4 (98.8% in 8), and topk 4 commits as much per step as 16 over all 32 shipped prompts, at about
    three quarters of the control time.
 
 Going to none, running requests finish without draft rounds (what is in flight still commits); coming back,
@@ -106,6 +107,7 @@ EXPLORE = 4.0                          # none is tried unless speculation is pre
 NONE_PACED = 8                         # results measured before none's pace counts (a speculating choice's: half
                                        # a decision interval, as misses come in bursts; none has no misses)
 DRAFT_BOUND = 2.0                      # a start whose draft rounds take this many stage steps is left at once
+ROWS_DEAR = 1.05                       # a stage step of MIN_TOPK rows over this many 1-row steps: topk from 1
 
 
 def load(requests: float) -> int:
@@ -151,6 +153,7 @@ class Sizer:
         self._skip = 0                            # results still to come of micro-batches of the previous choice
         self.draft_rounds_seen = 0                # draft rounds observed (the first one warms up)
         self.left_start = False                   # step 0 of the rule has looked (and left a draft-bound start)
+        self.rows_dear = False                    # a stage's rows were seen to cost (`least_topk`)
         self.switches: deque[Switch] = deque(maxlen=8)   # the latest switches (the engine logs them)
         self.switched = 0                         # switches so far
 
@@ -170,9 +173,9 @@ class Sizer:
         if arrived_ms <= 0:
             return
         self.held.add(requests)
-        if self._skip > 0:                # a micro-batch of the choice before: not this one's pace
-            self._skip -= 1
-            self._last = arrived_ms
+        if self._skip > 0:                # a micro-batch of the choice before: not this one's pace, nor is the
+            self._skip -= 1               # wait for the first of this one's (a whole trip, its draft catching up)
+            self._last = None
             return
         if self._last is not None and arrived_ms >= self._last:
             pace = self.paces.setdefault((self.choice.shape, load(self.held.value)), Pace(1 - 1 / self.every))
@@ -219,9 +222,21 @@ class Sizer:
         return 1.0 / (1.0 + (1.0 - self.hit(k)) * (self.S - 1))
 
     def topk_for(self, width: int) -> int:
-        """The topk of a choice of this width: pinned, else min(the largest, max(MIN_TOPK, width), coverage)."""
+        """The topk of a choice of this width: pinned, else min(the largest, max(least, width), coverage)."""
         s = self.sizing
-        return s.max_topk if s.pin_topk else min(s.max_topk, max(MIN_TOPK, width), self.cover)
+        return s.max_topk if s.pin_topk else min(s.max_topk, max(self.least_topk(), width), self.cover)
+
+    def least_topk(self) -> int:
+        """The smallest topk coverage may choose (rule step 4): MIN_TOPK where a stage's rows are nearly free
+        (an accelerator: c(4) within ROWS_DEAR of c(1), and a root's siblings insure against a miss that would
+        throw away S - 1 micro-batches); 1 where they are dear (a CPU: a 4-row stage step costs 1.3-1.5 times
+        a 1-row one here, and the `quant` draft's first rank holds 96% of the target's tokens, so a chain
+        commits most for the rows). Real processes, S = 4, pinned width 2 x 2 rounds: topk 1 36.6 ms between
+        tokens, topk 4 45.5 (`pp` 51.1). Once seen dear, rows stay dear (stage times on shared cores are noisy:
+        c(4) / c(1) measured 1.07-1.15 over one run here, against 1.015 in the GPU regime)."""
+        line = self.costs[True].stage
+        self.rows_dear = self.rows_dear or (line.known and line(MIN_TOPK) > ROWS_DEAR * line(1))
+        return 1 if self.rows_dear else MIN_TOPK
 
     def measured(self, choice: Choice, requests: int = 1) -> float | None:
         """The choice's measured pace at this load, once it has run long enough: speculating, half a decision
@@ -286,14 +301,14 @@ class Sizer:
 
     def choose(self, requests: int = 1) -> Choice:
         """The best candidate when it beats the current choice by MARGIN (UNTRIED on the model's word alone;
-        out of none where stages share cores, only a measured candidate, by UNTRIED), else the current one.
+        out of none where stages share cores, only a measured candidate), else the current one.
         Until none has been measured, it is tried (`measured`: for NONE_PACED results) when speculation is not
         predicted EXPLORE times as fast: its modelled costs are the speculating ones, which overstate it where
         stages share cores with the draft (`shared`; where they cannot, when the model itself does not favour
         speculation)."""
         if not self.ready or not self.sizing.auto:
             return self.choice
-        self.cover = self.coverage.topk(self.cover)
+        self.cover = self.coverage.topk(self.cover, self.least_topk())
         seen = self.measured(self.choice, requests)
         if self.choice.speculates and seen is None:
             return self.choice            # the choice in use is judged (and calibrates the model) once measured
@@ -311,7 +326,7 @@ class Sizer:
 
         def score(c: Choice) -> float:           # a change must promise more: more still if never measured
             margin = 0.0 if c.shape == self.choice.shape else \
-                MARGIN if self.measured(c, requests) is not None and not leaving_none else UNTRIED
+                MARGIN if self.measured(c, requests) is not None else UNTRIED
             return self.expected(c, requests) / (1 + margin)
 
         now = self.choice if not self.choice.speculates else \
@@ -359,4 +374,6 @@ class Sizer:
         self.choice = choice
         self.w_seen = choice.width or self.w_seen
         self._last = None                         # the next interval straddles the change: not counted
-        self._skip = self.S                       # nor the S results of micro-batches sent before it
+        self._skip = self.S                       # nor the S results of micro-batches sent before it,
+        if choice.speculates:                     # nor, speculating, those while the tree and the draft settle
+            self._skip += self.every // 2
