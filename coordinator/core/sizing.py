@@ -65,8 +65,11 @@ What it chooses (`Sizer.step`, after every result; `choose` every max(8, 4 S) re
    where nothing speculating has run, none stays. Ties keep the current choice.
 4. **topk by coverage** (`topk_for`, `Coverage`): a node's children are the draft's top-k proposals, and a rank
    the target never takes costs the tree a row and the coordinator its top-k lists, but buys nothing. The
-   ranks seen at the roots choose the smallest of 4, 8, 16, ... (1, 2, 4, ... where a stage's rows are
-   dear: `least_topk`) whose first k ranks hold COVER of the target's tokens the largest topk proposes. Below the largest a rank beyond topk reads "not proposed": the
+   ranks seen at the roots choose the smallest of 1, 2, 4, 8, 16, ... whose first k ranks hold COVER of the
+   target's tokens the largest topk proposes: a draft whose first guess holds COVER grows a chain (the
+   `quant` draft's first rank holds 96%: GPU regime, 4 prompts, width 32 x 3 rounds, 3.6 ms between tokens
+   at topk 1 against 4.6 at topk 4, `pipeinfer` 3.6; real processes S = 4, width 2 x 2: 36.6 against 45.5,
+   `pp` 51.1). Below the largest a rank beyond topk reads "not proposed": the
    ranks are a survival estimate under that censoring (Kaplan-Meier, `Coverage`), counted at every topk, and
    the topk in use is kept until it holds less than COVER by HOLD_Z standard errors. A draft that gets worse
    under a small topk leaves more roots unproposed, which lowers that topk's coverage until a larger one is
@@ -107,7 +110,6 @@ EXPLORE = 4.0                          # none is tried unless speculation is pre
 NONE_PACED = 8                         # results measured before none's pace counts (a speculating choice's: half
                                        # a decision interval, as misses come in bursts; none has no misses)
 DRAFT_BOUND = 2.0                      # a start whose draft rounds take this many stage steps is left at once
-ROWS_DEAR = 1.05                       # a stage step of MIN_TOPK rows over this many 1-row steps: topk from 1
 
 
 def load(requests: float) -> int:
@@ -153,7 +155,6 @@ class Sizer:
         self._skip = 0                            # results still to come of micro-batches of the previous choice
         self.draft_rounds_seen = 0                # draft rounds observed (the first one warms up)
         self.left_start = False                   # step 0 of the rule has looked (and left a draft-bound start)
-        self.rows_dear = False                    # a stage's rows were seen to cost (`least_topk`)
         self.switches: deque[Switch] = deque(maxlen=8)   # the latest switches (the engine logs them)
         self.switched = 0                         # switches so far
 
@@ -222,21 +223,9 @@ class Sizer:
         return 1.0 / (1.0 + (1.0 - self.hit(k)) * (self.S - 1))
 
     def topk_for(self, width: int) -> int:
-        """The topk of a choice of this width: pinned, else min(the largest, max(least, width), coverage)."""
+        """The topk of a choice of this width: pinned, else min(the largest, width, coverage)."""
         s = self.sizing
-        return s.max_topk if s.pin_topk else min(s.max_topk, max(self.least_topk(), width), self.cover)
-
-    def least_topk(self) -> int:
-        """The smallest topk coverage may choose (rule step 4): MIN_TOPK where a stage's rows are nearly free
-        (an accelerator: c(4) within ROWS_DEAR of c(1), and a root's siblings insure against a miss that would
-        throw away S - 1 micro-batches); 1 where they are dear (a CPU: a 4-row stage step costs 1.3-1.5 times
-        a 1-row one here, and the `quant` draft's first rank holds 96% of the target's tokens, so a chain
-        commits most for the rows). Real processes, S = 4, pinned width 2 x 2 rounds: topk 1 36.6 ms between
-        tokens, topk 4 45.5 (`pp` 51.1). Once seen dear, rows stay dear (stage times on shared cores are noisy:
-        c(4) / c(1) measured 1.07-1.15 over one run here, against 1.015 in the GPU regime)."""
-        line = self.costs[True].stage
-        self.rows_dear = self.rows_dear or (line.known and line(MIN_TOPK) > ROWS_DEAR * line(1))
-        return 1 if self.rows_dear else MIN_TOPK
+        return s.max_topk if s.pin_topk else min(s.max_topk, max(MIN_TOPK, width), self.cover)
 
     def measured(self, choice: Choice, requests: int = 1) -> float | None:
         """The choice's measured pace at this load, once it has run long enough: speculating, half a decision
@@ -308,7 +297,7 @@ class Sizer:
         speculation)."""
         if not self.ready or not self.sizing.auto:
             return self.choice
-        self.cover = self.coverage.topk(self.cover, self.least_topk())
+        self.cover = self.coverage.topk(self.cover)
         seen = self.measured(self.choice, requests)
         if self.choice.speculates and seen is None:
             return self.choice            # the choice in use is judged (and calibrates the model) once measured
@@ -345,7 +334,7 @@ class Sizer:
 
             S = 4, c(w) = 50 ms (one bucket: flat), hop 0; draft rounds of 16 and 32 rows took 212 and 626 ms
             (a line through the origin: d(w) = 18.3 w). The start (32, 16, 3): 3 * d(32) = 1757 > 2 * 50, so
-            it is left; (2, 4, 2): 73 > 50; (2, 4, 1): 36.6 <= 50 -> (2, 4, 1), the widest that keeps up.
+            it is left; (2, 2, 2): 73 > 50; (2, 2, 1): 36.6 <= 50 -> (2, 2, 1), the widest that keeps up.
         """
         c, choice = self.costs[True], self.choice
         if self.sizing.pin_width or not choice.speculates or self.draft_rounds_seen < 2 or not c.stage.known:

@@ -13,7 +13,7 @@ one sample at a time from the scheduler's events, none with a clock of its own.
 - `Costs`: what a pipeline step costs in one mode (speculating or not): the stage `Line`, the hop and
   control `Ewma`s; `known` once the stage line has a sample and the hop four.
 - `Coverage(largest)`: the ranks the target's token took among the draft's proposals at the roots, and the
-  smallest topk (4, 8, 16, ...) whose first ranks hold COVER of those the largest topk proposes (the rule's
+  smallest topk (1, 2, 4, 8, 16, ...) whose first ranks hold COVER of those the largest topk proposes (the rule's
   step 4). Under a topk below the largest a rank beyond it reads "not proposed": the counts are a survival
   estimate under that censoring (Kaplan-Meier), so every root counts at any topk, and a topk can come down
   from 8 to 4 without measuring at 16 again. The topk in use is kept until its coverage is below COVER by
@@ -39,7 +39,7 @@ import numpy as np
 
 COVER = 0.90          # Coverage: the smallest topk whose first ranks hold this share of the proposed ones
 COVER_SEEN = 32       # ... once this many roots were counted (and below the largest, before a shift)
-MIN_TOPK = 4          # ... from this one up, doubling (from 1 where rows are dear: Sizer.least_topk)
+MIN_TOPK = 1          # ... from this one up, doubling
 FADE = 0.995          # rank counts fade by this much per root that could see them
 FADE_BELOW = 0.99     # below the largest topk, unproposed roots and what the counts allow of them fade by this
 SHIFT_Z = 3.0         # ... and a shift is this many standard deviations more unproposed than allowed
@@ -193,8 +193,8 @@ class Coverage:
         proposed = 1 - self.survival(self.largest)
         return (1 - self.survival(min(k, self.largest))) / proposed if proposed > 0 else 0.0
 
-    def topk(self, current: int, least: int = MIN_TOPK) -> int:
-        """The smallest of least, 2 least, ... whose first ranks hold COVER of those proposed; the one in
+    def topk(self, current: int) -> int:
+        """The smallest of MIN_TOPK, 2 MIN_TOPK, ... whose first ranks hold COVER of those proposed; the one in
         use is kept until it holds less than COVER by HOLD_Z standard errors (chance does not move it); the
         largest until COVER_SEEN roots were seen."""
         roots = self.risk[0]
@@ -204,8 +204,8 @@ class Coverage:
             held = self.covered(current)
             if held >= COVER - HOLD_Z * math.sqrt(COVER * (1 - COVER) / roots):
                 smaller = current // 2
-                return smaller if smaller >= least and self.covered(smaller) >= COVER else current
-        k = least
+                return smaller if smaller >= MIN_TOPK and self.covered(smaller) >= COVER else current
+        k = MIN_TOPK
         while k < self.largest and self.covered(k) < COVER:
             k *= 2
         return min(k, self.largest)
