@@ -69,20 +69,20 @@ What it chooses (`Sizer.step`, after every result; `choose` every max(8, 4 S) re
    target's tokens the largest topk proposes: a draft whose first guess holds COVER grows a chain (the
    `quant` draft's first rank holds 96%: GPU regime, 4 prompts, width 32 x 3 rounds, 3.6 ms between tokens
    at topk 1 against 4.6 at topk 4, `pipeinfer` 3.6; real processes S = 4, width 2 x 2: 36.6 against 45.5,
-   `pp` 51.1). Below the largest a rank beyond topk reads "not proposed": the
-   ranks are a survival estimate under that censoring (Kaplan-Meier, `Coverage`), counted at every topk, and
-   the topk in use is kept until it holds less than COVER by HOLD_Z standard errors. A draft that gets worse
-   under a small topk leaves more roots unproposed, which lowers that topk's coverage until a larger one is
-   chosen; more unproposed than the counts allow (what lies beyond the topk in use is not seen) by SHIFT_Z
-   standard deviations is a shift: the counts are forgotten and the largest topk measures again. A topk
-   change is not a change of pace: paces are kept by (width, rounds), and it does not wait for a decision.
+   `pp` 51.1). Below the largest a rank beyond topk reads "not proposed": the ranks are a survival estimate
+   under that censoring (Kaplan-Meier, `Coverage`), counted at every topk, and the topk in use is kept
+   until it holds less than COVER by HOLD_Z standard errors. A draft that gets worse under a small topk
+   leaves more roots unproposed, which lowers that topk's coverage until a larger one is chosen; more
+   unproposed than the counts allow (what lies beyond the topk in use is not seen) by SHIFT_Z standard
+   deviations is a shift: the counts are forgotten and the largest topk measures again. A topk change is
+   not a change of pace: paces are kept by (width, rounds), and it does not wait for a decision.
 
        ranks 0..15 seen 72, 15, 6, 3, 2, 1, 1, 0, ... times (100 proposed): the first 4 hold 96% -> topk 4;
        a flat draft (every rank about as likely) keeps 16.
 
    Measured (docs/benchmarks.md, with the dynamic-int8 `quant` draft of before 2026-12-07): the default
-   model's draft held 96% of its proposed root tokens in its first 4 (98.8% in 8), and topk 4 commits as much per step as 16 over all 32 shipped prompts, at about
-   three quarters of the control time.
+   model's draft held 96% of its proposed root tokens in its first 4 (98.8% in 8), and topk 4 committed as
+   much per step as 16 over all 32 shipped prompts, at about three quarters of the control time.
 
 Going to none, running requests finish without draft rounds (what is in flight still commits); coming back,
 they rejoin (coordinator/core/schedulers/specpipe.py, `_resize`). Explicitly given values pin (`Sizing`): a
