@@ -43,8 +43,13 @@ What it chooses (`Sizer.step`, after every result; `choose` every max(8, 4 S) re
    draft rounds and the first result) is left for the largest choice whose rounds keep up with a stage step
    (r * d(w) <= c(w) + hop), else the smallest: a CPU whose draft is the whole target spent its first ~10
    results (1.9 s of `make run`) at width 32 x 2 rounds, 110-630 ms of draft each, before it could try none.
-   The GPU regime (3 * d(32) = 5.0 ms against c(32) + hop = 6.3 ms) starts and stays large.
-1. **Start large, try none**: the largest choice first; once the rule knows enough, unless speculation is
+   Where stages share the draft's cores it goes to the smallest (1 x 1): there every row either computes
+   takes the same cores, and a wide tree that "keeps up" with a wide stage step (32 x 1 at S = 2 here) ran
+   at 76-80 ms a token against none's 47. The GPU regime (3 * d(32) = 5.0 ms against c(32) + hop = 6.3 ms)
+   starts and stays large.
+1. **Start large, grow, try none**: the largest choice first; where stages share cores, the choice step 0
+   left for is measured, then (once) twice its width with a round more (`grown_choice`: the model cannot
+   speak for it there); once the rule knows enough, unless speculation is
    predicted EXPLORE times as fast as none (merely as fast where the stage times cannot depend on the
    draft: `Sizer(shared=False)`, from `--stage-hardware apart`: the Helm chart's GPU pods, the simulated clock),
    none is tried (NONE_PACED results, after the S results of micro-batches sent before the switch), to
@@ -148,6 +153,7 @@ class Sizer:
         self.w_seen = sizing.max_width            # the width E_now and k_now were measured at (last speculating)
         self.choice = sizing.largest
         self.tried = self.trying = False          # none has been tried (is being tried) by `choose`
+        self.grew = False                         # the choice in use was grown once before (`grown_choice`)
         self._since = 0                           # results since the last decision
         self.decided = False                      # the rule has chosen at least once
         self.calibration = 1.0                    # measured / modelled rate of the speculating choice in use
@@ -304,6 +310,11 @@ class Sizer:
         self.decided = True
         if self.choice.speculates:        # (before a trial of none: what was measured must not be lost to it)
             self.calibration = seen / max(self.rate(self.choice, requests), 1e-9)
+        grown = self.grown_choice(requests)
+        if grown is not None:
+            self.grew = True
+            self._switch(grown, Why.GROW, requests)
+            return self.choice
         if self.choice.speculates and not self.sizing.pin_width and self.measured(NONE, requests) is None and \
                 not self.tried:
             best = max(self.expected(c, requests) for c in self.candidates() if c.speculates)
@@ -328,6 +339,20 @@ class Sizer:
             self._switch(best, Why.FASTER, requests)
         return self.choice
 
+    def grown_choice(self, requests: int = 1) -> Choice | None:
+        """Step 1's first half where stages share cores (`shared`): once, before none is tried, the choice in
+        use with twice the width and one round more, if it has not been measured — the model cannot speak for
+        it there (a chain's tokens per result grow with its rounds, and chained rounds cost less than the
+        calls the model charges), so it is measured. Real processes, pinned, topk 1: width 1 x 1 round
+        40.8 ms a token at S = 4 and 44.5 at S = 2, 2 x 2 36.6 and 36.7 (`pp` 51.1, 47.8)."""
+        c, s = self.choice, self.sizing
+        if not self.shared or self.grew or self.tried or not c.speculates:
+            return None
+        width = c.width if s.pin_width else min(2 * c.width, s.max_width)
+        rounds = c.rounds if s.pin_rounds else min(c.rounds + 1, s.max_rounds)
+        grown = Choice(width, self.topk_for(width), rounds)
+        return None if grown.shape == c.shape or self.measured(grown, requests) is not None else grown
+
     def leave_draft_bound_start(self) -> Choice | None:
         """Step 0 of the rule (module docstring): the choice to leave a draft-bound start for, or None (not
         draft-bound, not known yet: two draft rounds and a stage step seen, or a pinned width).
@@ -345,7 +370,8 @@ class Sizer:
             return x.rounds * self.draft(x.width) <= factor * (c.stage(x.width) + hop)
         if keeps_up(choice, DRAFT_BOUND):
             return None
-        smaller = [x for x in self.candidates() if x.speculates and x.width <= choice.width and keeps_up(x)]
+        smaller = [x for x in self.candidates() if x.speculates and x.width <= choice.width and keeps_up(x)
+                   and not self.shared]     # shared cores: the smallest, then grown by measurement (step 1)
         return max(smaller, key=lambda x: (x.width, x.rounds)) if smaller else \
             min((x for x in self.candidates() if x.speculates), key=lambda x: (x.width, x.rounds))
 

@@ -32,6 +32,7 @@ NONE = Choice(0, 0, 0)
 class Why(str, enum.Enum):
     """Why the rule switched (its steps, module docstring)."""
     DRAFT_BOUND = "draft-bound start"      # step 0
+    GROW = "measuring a longer chain"      # step 1, where stages share cores
     TRY_NONE = "trying none"               # step 1
     FASTER = "faster"                      # steps 2 and 3
     COVERAGE = "topk by coverage"          # step 4

@@ -18,8 +18,8 @@ from coordinator.core.sizing_choices import Choice, Switch
 log = get_logger(__name__)
 SWITCHES = Counter("specpipe_cost_rule_switches_total", "specpipe's cost rule changing its choice "
                    "(coordinator/core/sizing.py), by why: draft_bound (a start whose draft cannot keep up), "
-                   "try_none (measuring plain pipelining), faster (a choice expected faster), coverage "
-                   "(topk alone)", ["method", "why"])
+                   "grow (measuring a wider, deeper choice where stages share cores), try_none (measuring plain "
+                   "pipelining), faster (a choice expected faster), coverage (topk alone)", ["method", "why"])
 
 
 def on_result_switches(sched: Scheduler, batch: MicroBatch) -> list[Switch]:

@@ -283,8 +283,9 @@ def test_out_of_none_where_stages_share_cores_only_a_measured_choice_counts(shar
 def test_a_draft_bound_start_is_left_for_the_widest_choice_that_keeps_up():
     """The module's step 0, its docstring's example: stages of 50 ms (one bucket seen: flat), draft rounds of
     16 and 32 rows that took 212 and 626 ms. After the first result the start (32, 16, 3) is left for
-    (2, 2, 1) at once, before the rule knows any acceptance; it is not done twice."""
-    sizer = Sizer(4, Sizing.of(0, 0, 0))
+    (2, 2, 1) at once, before the rule knows any acceptance; it is not done twice. (Stages on hardware of their
+    own: where they share the draft's cores the smallest is taken, tests/core/test_sizing_settle.py.)"""
+    sizer = Sizer(4, Sizing.of(0, 0, 0), shared=False)
     sizer.observe_draft(16, 212.0)
     assert sizer.step() == Choice(32, 16, 3), "one draft round (a warm-up) and no stage step: not known yet"
     sizer.observe_stage(43, 50.0)

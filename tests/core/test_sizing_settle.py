@@ -42,3 +42,28 @@ def test_a_speculating_choices_pace_counts_once_it_has_settled():
     assert sizer.measured(Choice(2, 1, 1)) == pytest.approx(1 / 40)
     sizer._switch(NONE, Why.TRY_NONE)
     assert sizer._skip == 4
+
+
+def test_where_stages_share_cores_a_draft_bound_start_goes_to_the_smallest_then_grows_once():
+    """The step-0 example's costs (stages 50 ms flat, draft d(w) = 18.3 w): apart, (2, 2, 1) keeps up; shared,
+    the start is left for (1, 1, 1). Once measured (and the model ready), the rule measures (2, 2, 2) before
+    it tries none, and does not grow again after."""
+    sizer = Sizer(4, Sizing.of(0, 0, 0))
+    sizer.observe_stage(43, 50.0)
+    for rows, ms in ((16, 212.0), (32, 626.0)):
+        sizer.observe_draft(rows, ms)
+    assert sizer.step() == Choice(1, 1, 1)
+    _teach(sizer, (50.0, 0.0), 1.0, (0.0, 18.3), 1.0, 0.8, [0] * 95 + [1] * 5)
+    t = 0.0
+    for _ in range(40):
+        t += 60.0
+        sizer.observe_result(t, 1)
+        if sizer.step() != Choice(1, 1, 1):
+            break
+    assert sizer.choice == Choice(2, 1, 2) and sizer.switches[-1].why == Why.GROW and sizer.grew
+    assert sizer.grown_choice() is None
+    apart = Sizer(4, Sizing.of(0, 0, 0), shared=False)
+    apart.observe_stage(43, 50.0)
+    for rows, ms in ((16, 212.0), (32, 626.0)):
+        apart.observe_draft(rows, ms)
+    assert apart.step() == Choice(2, 2, 1) and apart.grown_choice() is None
