@@ -153,7 +153,7 @@ class Sizer:
         self.w_seen = sizing.max_width            # the width E_now and k_now were measured at (last speculating)
         self.choice = sizing.largest
         self.tried = self.trying = False          # none has been tried (is being tried) by `choose`
-        self.grew = False                         # the choice in use was grown once before (`grown_choice`)
+        self.grew = self.growing = False          # a choice was grown (`grown_choice`); it is being measured
         self._since = 0                           # results since the last decision
         self.decided = False                      # the rule has chosen at least once
         self.calibration = 1.0                    # measured / modelled rate of the speculating choice in use
@@ -285,7 +285,8 @@ class Sizer:
                 self._since = 0
                 self._switch(smaller, Why.DRAFT_BOUND, requests)
                 return self.choice
-        trial_done = self.trying and self.measured(NONE, requests) is not None
+        trial_done = (self.trying and self.measured(NONE, requests) is not None) or \
+            (self.growing and self.measured(self.choice, requests) is not None)
         if self._since >= self.every or (not self.decided and self.ready) or trial_done:
             self._since, self.trying = 0, False
             self.choose(requests)
@@ -307,12 +308,12 @@ class Sizer:
         seen = self.measured(self.choice, requests)
         if self.choice.speculates and seen is None:
             return self.choice            # the choice in use is judged (and calibrates the model) once measured
-        self.decided = True
+        self.decided, self.growing = True, False
         if self.choice.speculates:        # (before a trial of none: what was measured must not be lost to it)
             self.calibration = seen / max(self.rate(self.choice, requests), 1e-9)
         grown = self.grown_choice(requests)
         if grown is not None:
-            self.grew = True
+            self.grew = self.growing = True
             self._switch(grown, Why.GROW, requests)
             return self.choice
         if self.choice.speculates and not self.sizing.pin_width and self.measured(NONE, requests) is None and \
@@ -338,6 +339,11 @@ class Sizer:
         if best != self.choice:
             self._switch(best, Why.FASTER, requests)
         return self.choice
+
+    @property
+    def settled(self) -> bool:
+        """The rule has decided and measures nothing for a decision to come (a warm-up may end here)."""
+        return self.decided and not self.trying and not self.growing
 
     def grown_choice(self, requests: int = 1) -> Choice | None:
         """Step 1's first half where stages share cores (`shared`): once, before none is tried, the choice in

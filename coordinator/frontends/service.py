@@ -197,7 +197,7 @@ class Coordinator:
                                                       request_id=f"warm-up-{uuid.uuid4().hex[:8]}")
         try:
             while isinstance(await events.get(), Tokens):     # until it has finished, cancelled once decided
-                if sizer.decided and not sizer.trying:
+                if sizer.settled:
                     self.engine.cancel(request_id)
         finally:
             self.engine.cancel(request_id)

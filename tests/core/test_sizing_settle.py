@@ -61,7 +61,14 @@ def test_where_stages_share_cores_a_draft_bound_start_goes_to_the_smallest_then_
         if sizer.step() != Choice(1, 1, 1):
             break
     assert sizer.choice == Choice(2, 1, 2) and sizer.switches[-1].why == Why.GROW and sizer.grew
-    assert sizer.grown_choice() is None
+    assert sizer.grown_choice() is None and sizer.decided and not sizer.settled    # (a warm-up goes on)
+    for n in range(1, 40):            # judged as soon as measured: S + 8 settling + 1 + 8 results, not at an interval
+        t += 40.0
+        sizer.observe_result(t, 1)
+        if sizer.step() != Choice(2, 1, 2):
+            break
+    # (speculation is modelled 5x as fast as none here: none is not tried, the model's pick follows)
+    assert n == 4 + 8 + 1 + 8 and sizer.switches[-1].why == Why.FASTER and sizer.settled
     apart = Sizer(4, Sizing.of(0, 0, 0), shared=False)
     apart.observe_stage(43, 50.0)
     for rows, ms in ((16, 212.0), (32, 626.0)):

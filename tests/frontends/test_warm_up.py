@@ -34,7 +34,7 @@ async def test_the_warm_up_ends_once_the_rule_has_decided_and_leaves_nothing(tin
         before = _switches()
         with capture_logs() as logs:
             seconds = await coord.warm_up(400)
-        assert seconds > 0 and sizer.decided and not sizer.trying
+        assert seconds > 0 and sizer.settled and not sizer.trying and not sizer.growing
         # each of the rule's switches over real gRPC is logged once, in order, and counted by why (which ones
         # depends on the machine's pace: the draft-bound start is left here, then none is tried or not)
         switched = [e for e in logs if e["event"] == "cost rule switched"]
