@@ -376,10 +376,11 @@ class Sizer:
             return x.rounds * self.draft(x.width) <= factor * (c.stage(x.width) + hop)
         if keeps_up(choice, DRAFT_BOUND):
             return None
-        smaller = [x for x in self.candidates() if x.speculates and x.width <= choice.width and keeps_up(x)
-                   and not self.shared]     # shared cores: the smallest, then grown by measurement (step 1)
-        return max(smaller, key=lambda x: (x.width, x.rounds)) if smaller else \
-            min((x for x in self.candidates() if x.speculates), key=lambda x: (x.width, x.rounds))
+        smallest = min((x for x in self.candidates() if x.speculates), key=lambda x: (x.width, x.rounds))
+        if self.shared:                   # shared cores: the smallest, then grown by measurement (step 1)
+            return smallest
+        smaller = [x for x in self.candidates() if x.speculates and x.width <= choice.width and keeps_up(x)]
+        return max(smaller, key=lambda x: (x.width, x.rounds)) if smaller else smallest
 
     def _switch(self, choice: Choice, why: Why, requests: int = 1) -> None:
         def pace(c: Choice) -> tuple[float | None, bool]:   # (ms per token, measured): else modelled once ready

@@ -46,8 +46,8 @@ def test_a_speculating_choices_pace_counts_once_it_has_settled():
 
 def test_where_stages_share_cores_a_draft_bound_start_goes_to_the_smallest_then_grows_once():
     """The step-0 example's costs (stages 50 ms flat, draft d(w) = 18.3 w): apart, (2, 2, 1) keeps up; shared,
-    the start is left for (1, 1, 1). Once measured (and the model ready), the rule measures (2, 2, 2) before
-    it tries none, and does not grow again after."""
+    the start is left for (1, 1, 1). Once measured (and the model ready), the rule measures (2, 1, 2) (topk by
+    coverage: 95% at rank 0) before it tries none, and does not grow again after."""
     sizer = Sizer(4, Sizing.of(0, 0, 0))
     sizer.observe_stage(43, 50.0)
     for rows, ms in ((16, 212.0), (32, 626.0)):
