@@ -15,7 +15,7 @@ from coordinator.config import CoordinatorConfig, SpecConfig, spec_kwargs
 from coordinator.core.schedulers.registry import SpecOptions, Speculation
 
 # a valid value other than the default, for each speculation field
-OTHER = {"width": 5, "tree_policy": "layer", "topk": 3, "draft_rounds": 1, "draft_chain": False, "sps_k": 2, "tree_nodes": 9,
+OTHER = {"width": 5, "tree_policy": "layer", "topk": 3, "draft_rounds": 1, "draft_chain": False, "calibrate": False, "sps_k": 2, "tree_nodes": 9,
          "tree_depth": 4, "tree_topk": 2, "pipeinfer_run": 3, "pipeinfer_min_prob": 0.25, "verify": "rejection",
          "node_budget": 17, "prefill_chunk": 64, "stage_hardware": "apart"}
 

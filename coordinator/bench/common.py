@@ -80,6 +80,7 @@ class BenchConfig:
     topks: list[int] = field(default_factory=list)          # sweep of specpipe's --topk (empty: default)
     draft_rounds: list[int] = field(default_factory=list)   # sweep of specpipe's --draft-rounds
     draft_chains: list[int] = field(default_factory=list)   # sweep of specpipe's --draft-chain (1 on, 0 off)
+    calibrations: list[int] = field(default_factory=list)   # sweep of specpipe's --calibrate (1 on, 0 off)
     draft_time_ms: str = ""            # --simulate: draft cost "A[+B]" ms per call [+ per row], "measured";
                                        # empty: 0.3 x the stage time (services/config.py parse_draft_time)
     hop_ms: float = 0.3                # --simulate: each hop's time
@@ -109,7 +110,8 @@ class BenchConfig:
                 if m == Method.SPECPIPE:
                     extras = [tuple(e) for e in itertools.product(
                         *([("topk", k) for k in self.topks] or [None], [("draft_rounds", r) for r in self.draft_rounds]
-                          or [None], [("draft_chain", c) for c in self.draft_chains] or [None]))]
+                          or [None], [("draft_chain", c) for c in self.draft_chains] or [None],
+                          [("calibrate", c) for c in self.calibrations] or [None]))]
                     self.variants += [Variant(m, w, p, tuple(x for x in e if x)) for p in self.policies
                                       for w in self.widths for e in extras]
                 elif m == Method.SPS and self.sps_ks:

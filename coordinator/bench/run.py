@@ -137,6 +137,8 @@ def main_args(p) -> None:
     p.add_argument("--draft-rounds", default="", help="comma-separated draft calls per step to sweep for specpipe")
     p.add_argument("--draft-chains", default="", help="comma-separated 1 (a step's rounds in one job), 0 (a job "
                    "per round) to sweep for specpipe (default: --draft-chain's)")
+    p.add_argument("--calibrations", default="", help="comma-separated 1 (the tree ranked by the draft's measured "
+                   "acceptance), 0 (by its probability) to sweep for specpipe (default: --calibrate's)")
     p.add_argument("--stage-time-ms", default=None, help="emulated stage time A or A+B ms per step [+ per row] "
                    "(default: the regime's, 120)")
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -197,7 +199,7 @@ def config_from_args(a) -> BenchConfig:
                        rounds=a.rounds, node_budget=a.node_budget, temperature=a.temperature,
                        request_rates=_rates(a.request_rate),
                        verifies=strs(a.verifies), topks=ints(a.topks), draft_rounds=ints(a.draft_rounds),
-                       draft_chains=ints(a.draft_chains),
+                       draft_chains=ints(a.draft_chains), calibrations=ints(a.calibrations),
                        draft_time_ms=given("draft_time_ms"), hop_ms=given("hop_ms"),
                        control_time=getattr(a, "control_time", "measured"),
                        tree_shapes=[(n, d) for n in ints(a.tree_nodes) for d in ints(a.tree_depth or "6")])

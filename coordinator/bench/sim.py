@@ -56,12 +56,14 @@ def run_simulated(cfg: BenchConfig, log=print) -> dict:
         runs: dict[Variant, list[dict]] = {v: [] for v in cfg.variants}
         meters = {v: StepMeter() for v in cfg.variants}
         warm = {v: StepMeter() for v in cfg.variants}      # the same calls replayed with no model compute
-        sizers: dict[Variant, object] = {}       # specpipe's cost rule lives on across prompts, as in the engine
+        sizers: dict[Variant, object] = {}       # specpipe's cost rule and calibration live on across prompts,
+        calibrations: dict[Variant, object] = {}     # as in the engine
         for pi, prompt in enumerate(token_ids):
             for v in cfg.variants:
                 spec = replace(SpecOptions(draft), stage_hardware=StageHardware.APART, **v.overrides())
-                sched = make_scheduler(v.method, num_stages, spec, sizers.get(v))
+                sched = make_scheduler(v.method, num_stages, spec, sizers.get(v), calibrations.get(v))
                 sizers[v] = getattr(sched, "sizer", None)
+                calibrations[v] = getattr(sched, "calibration", None)
                 twin = _twin(sched, draft, cfg.control_scale)
                 pipe = SimulatedPipeline([runner], stage_time, num_stages=num_stages, hop_ms=cfg.hop_ms,
                                          draft_time=draft_time, control_scale=cfg.control_scale,
@@ -125,15 +127,17 @@ def _levels(cfg: BenchConfig, num_stages: int, runner: StageRunner, draft, token
     Poisson arrival times (seed 0). One row per (level, variant)."""
     from coordinator.bench.load import level_name, level_row
     rows = []
-    sizers: dict[Variant, object] = {}           # specpipe's cost rule lives on across levels, as in the engine
+    sizers: dict[Variant, object] = {}           # specpipe's cost rule and calibration live on across levels,
+    calibrations: dict[Variant, object] = {}     # as in the engine
     for level in cfg.request_rates or cfg.concurrency:
         rate = level if cfg.request_rates else None
         n = len(token_ids) * cfg.rounds if rate else level * cfg.rounds
         for v in cfg.variants:
             spec = replace(SpecOptions(draft), stage_hardware=StageHardware.APART,
                            **{"node_budget": cfg.node_budget, **v.overrides()})
-            sched = make_scheduler(v.method, num_stages, spec, sizers.get(v))
+            sched = make_scheduler(v.method, num_stages, spec, sizers.get(v), calibrations.get(v))
             sizers[v] = getattr(sched, "sizer", None)
+            calibrations[v] = getattr(sched, "calibration", None)
             twin = _twin(sched, draft, cfg.control_scale)
             pipe = SimulatedPipeline([runner], stage_time, num_stages=num_stages, hop_ms=cfg.hop_ms,
                                      draft_time=draft_time, control_scale=cfg.control_scale, record=twin is not None)

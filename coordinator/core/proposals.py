@@ -19,10 +19,12 @@ import numpy as np
 @dataclass(eq=False)
 class ProposalRows(Sequence):
     tokens: np.ndarray     # [m, k] int64
-    logps: np.ndarray      # [m, k] float64, the draft's log-probability of each token (its score)
+    logps: np.ndarray      # [m, k] float64, each token's score: the draft's log-probability, or calibrated (`bins`)
     counts: np.ndarray     # [m] int64, proposals in each row (<= k)
     distinct: bool = False  # no row repeats a token (a top-k), so `has_repeats` need not look
     full: bool = False      # every row holds k proposals (`full`), so `counts` need not be looked at
+    bins: np.ndarray | None = None   # [m] int8, each row's calibration bin when the logps are calibrated
+    # (coordinator/core/calibration.py); None: the draft's own log-probabilities
 
     @classmethod
     def of(cls, rows: Sequence[Sequence[tuple[int, float]]]) -> "ProposalRows":
@@ -56,7 +58,8 @@ class ProposalRows(Sequence):
 
     def select(self, rows: Sequence[int] | np.ndarray) -> "ProposalRows":
         rows = np.asarray(rows, np.int64)
-        return ProposalRows(self.tokens[rows], self.logps[rows], self.counts[rows], self.distinct, self.full)
+        return ProposalRows(self.tokens[rows], self.logps[rows], self.counts[rows], self.distinct, self.full,
+                            None if self.bins is None else self.bins[rows])
 
     def __getitem__(self, i):                                   # a row as (token, log-prob) pairs
         if isinstance(i, slice):

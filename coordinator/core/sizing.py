@@ -22,6 +22,10 @@ The model, one request (`Sizer.rate`):
                   (a miss throws away the S - 1 micro-batches behind it; and a result commits at most the r
                   layers that the r draft rounds since the injection before it added to the spine: where the
                   draft sets the pace, E_now measured at 2 rounds is ~1.7 and says nothing of 1 round's ~0.9)
+    where the stages run apart from the draft (`shared` False: GPU pods, the simulated clock), the draft works
+    beside them and a result cuts its rounds, so rounds beyond a stage step's are run-ahead, not a longer step:
+    step(w, r) = max(c(w) + hop + ctl / S, d(w), ctl), tokens(w, r) = min(E_now * f(w) / f(w_now), r,
+    step / d(w))
     spec rate   = tokens(w, r) / step(w, r)       none rate = 1 / (S * (c(1) + hop) + ctl_none)
 
 With n requests held (SpecPipe-DB) each takes share = min(w, node_budget // n) rows, a micro-batch carries
@@ -29,9 +33,9 @@ all of them (rows = n * share) and commits n * tokens(share); without speculatio
 max(1, n / S) rows, min(1, n / S) of them per step.
 
 Worked example, the GPU regime (S = 8, c = 5 + 0.025 * rows ms, hop 0.5, d = 1.5 + 0.005 * rows, ctl 1.5,
-E_now 0.76 at w_now 32, hit(k_now = 4) = 0.98): w = 32, r = 3 -> step = max(5.8 + 0.5 + 0.19, 5.0, 1.5)
-= 6.5 ms, 0.76 tokens -> 8.5 ms per token (r = 2 rates the same: the third round fits in the stage step, and
-ties keep the choice in use); none -> 8 * 5.525 = 44.2 ms per token: speculate, wide.
+E_now 0.76 at w_now 32, hit(k_now = 4) = 0.98), stages apart: w = 32, r = 4 -> step = max(5.8 + 0.5 + 0.19,
+1.66, 1.5) = 6.5 ms, 0.76 tokens -> 8.5 ms per token (r = 2 rates the same: the rounds beyond the stage step
+are run-ahead, and ties keep the choice in use); none -> 8 * 5.525 = 44.2 ms per token: speculate, wide.
 A CPU with a draft as costly as the whole target (S = 4, c = 28 + 0.5 * rows, d = 112 + 0.5 * rows): any
 width takes step >= d(1) = 112.5 ms for at most E tokens, none 4 * 29.5 = 118 ms per token; with
 E_now = 0.8 -> 140 ms: none.
@@ -41,11 +45,11 @@ What it chooses (`Sizer.step`, after every result; `choose` every max(8, 4 S) re
 0. **Leave a draft-bound start at once**: before the rule knows what speculation commits, a start whose draft
    rounds take DRAFT_BOUND times a stage step (r * d(w) > DRAFT_BOUND * (c(w) + hop), seen from the first two
    draft rounds and the first result) is left for the largest choice whose rounds keep up with a stage step
-   (r * d(w) <= c(w) + hop), else the smallest: a CPU whose draft is the whole target spent its first ~10
+   (r * d(w) <= c(w) + hop; apart, one round: d(w) <= c(w) + hop), else the smallest: a CPU whose draft is the whole target spent its first ~10
    results (1.9 s of `make run`) at width 32 x 2 rounds, 110-630 ms of draft each, before it could try none.
-   Where stages share the draft's cores it goes to the smallest (1 x 1): there every row either computes
+   Where stages share the draft's cores it goes to the smallest (width 1, 1 round): there every row either computes
    takes the same cores, and a wide tree that "keeps up" with a wide stage step (32 x 1 at S = 2 here) ran
-   at 76-80 ms a token against none's 47. The GPU regime (3 * d(32) = 5.0 ms against c(32) + hop = 6.3 ms)
+   at 76-80 ms a token against none's 47. The GPU regime (apart: d(32) = 1.66 ms against c(32) + hop = 6.3 ms)
    starts and stays large.
 1. **Start large, grow, try none**: the largest choice first; where stages share cores, the choice step 0
    left for is measured, then (once) twice its width with a round more (`grown_choice`: the model cannot
@@ -70,11 +74,12 @@ What it chooses (`Sizer.step`, after every result; `choose` every max(8, 4 S) re
    where nothing speculating has run, none stays. Ties keep the current choice.
 4. **topk by coverage** (`topk_for`, `Coverage`): a node's children are the draft's top-k proposals, and a rank
    the target never takes costs the tree a row and the coordinator its top-k lists, but buys nothing. The
-   ranks seen at the roots choose the smallest of 1, 2, 4, 8, 16, ... whose first k ranks hold COVER of the
-   target's tokens the largest topk proposes: a draft whose first guess holds COVER grows a chain (the
-   `quant` draft's first rank holds 96%: GPU regime, 4 prompts, width 32 x 3 rounds, 3.6 ms between tokens
-   at topk 1 against 4.6 at topk 4, `pipeinfer` 3.6; real processes S = 4, width 2 x 2: 36.6 against 45.5,
-   `pp` 51.1). Below the largest a rank beyond topk reads "not proposed": the ranks are a survival estimate
+   ranks seen at the roots choose the smallest of 2, 4, 8, 16, ... whose first k ranks hold COVER of the
+   target's tokens the largest topk proposes. Not 1: with the tree ranked by the draft's measured acceptance
+   (coordinator/core/calibration.py) a second child below every node lets it hedge where the draft is unsure
+   and costs a row only where that hedge ranks among the width's best (the `quant` draft's first rank holds
+   96%: GPU regime, 8 prompts, width 32 x 4 rounds, no control time charged: 2.3 ms between tokens at topk 2,
+   2.4 at topk 4; uncalibrated, topk 1 was best, 3.2 ms on 4 prompts against 4.4 at topk 4). Below the largest a rank beyond topk reads "not proposed": the ranks are a survival estimate
    under that censoring (Kaplan-Meier, `Coverage`), counted at every topk, and the topk in use is kept
    until it holds less than COVER by HOLD_Z standard errors. A draft that gets worse under a small topk
    leaves more roots unproposed, which lowers that topk's coverage until a larger one is chosen; more
@@ -261,9 +266,14 @@ class Sizer:
         hop, ctl = c.hop.value or 0.0, c.ctl.value or 0.0
         share = choice.width if n == 1 else min(choice.width, max(1, self.node_budget // n))
         rows = n * share
-        step = max(c.stage(rows) + hop + ctl / S, choice.rounds * self.draft(rows), ctl)
+        stage, d = c.stage(rows) + hop + ctl / S, max(self.draft(rows), 1e-9)
+        if self.shared:        # the draft's rounds take the stages' cores: a step holds all of them
+            step, fit = max(stage, choice.rounds * d, ctl), float(choice.rounds)
+        else:                  # the draft runs beside: a round beyond a step's is run-ahead (a result cuts it)
+            step = max(stage, d, ctl)
+            fit = min(float(choice.rounds), step / d)
         f_now = self._f(self.w_seen, self.choice.topk or self.topk_for(self.w_seen))
-        tokens = min((self.tokens.value or 0.0) * self._f(share, choice.topk) / f_now, float(choice.rounds))
+        tokens = min((self.tokens.value or 0.0) * self._f(share, choice.topk) / f_now, fit)
         return n * tokens / max(step, 1e-9)
 
     def candidates(self) -> list[Choice]:
@@ -364,16 +374,17 @@ class Sizer:
         draft-bound, not known yet: two draft rounds and a stage step seen, or a pinned width).
 
             S = 4, c(w) = 50 ms (one bucket: flat), hop 0; draft rounds of 16 and 32 rows took 212 and 626 ms
-            (a line through the origin: d(w) = 18.3 w). The start (32, 16, 3): 3 * d(32) = 1757 > 2 * 50, so
-            it is left; (2, 2, 2): 73 > 50; (2, 2, 1): 36.6 <= 50 -> (2, 2, 1), the widest that keeps up.
+            (a line through the origin: d(w) = 18.3 w). Stages apart (one round a step): the start
+            (32, 16, 4): d(32) = 586 > 2 * 50, so it is left; width 4: 73 > 50; width 2: 36.6 <= 50 ->
+            (2, 2, 4), the widest that keeps up, with the most run-ahead.
         """
         c, choice = self.costs[True], self.choice
         if self.sizing.pin_width or not choice.speculates or self.draft_rounds_seen < 2 or not c.stage.known:
             return None
         hop = c.hop.value or 0.0
 
-        def keeps_up(x: Choice, factor: float = 1.0) -> bool:
-            return x.rounds * self.draft(x.width) <= factor * (c.stage(x.width) + hop)
+        def keeps_up(x: Choice, factor: float = 1.0) -> bool:   # (apart: a step waits for one round, `rate`)
+            return (x.rounds if self.shared else 1) * self.draft(x.width) <= factor * (c.stage(x.width) + hop)
         if keeps_up(choice, DRAFT_BOUND):
             return None
         smallest = min((x for x in self.candidates() if x.speculates), key=lambda x: (x.width, x.rounds))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-AUTO_MAX = (32, 16, 3)                 # width, topk, draft rounds when not given: the largest the rule picks
+AUTO_MAX = (32, 16, 4)                 # width, topk, draft rounds when not given: the largest the rule picks
 
 
 @dataclass(frozen=True)

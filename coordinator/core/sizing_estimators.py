@@ -13,7 +13,7 @@ one sample at a time from the scheduler's events, none with a clock of its own.
 - `Costs`: what a pipeline step costs in one mode (speculating or not): the stage `Line`, the hop and
   control `Ewma`s; `known` once the stage line has a sample and the hop four.
 - `Coverage(largest)`: the ranks the target's token took among the draft's proposals at the roots, and the
-  smallest topk (1, 2, 4, 8, 16, ...) whose first ranks hold COVER of those the largest topk proposes (the rule's
+  smallest topk (MIN_TOPK = 2, 4, 8, 16, ...) whose first ranks hold COVER of those the largest topk proposes (the rule's
   step 4). Under a topk below the largest a rank beyond it reads "not proposed": the counts are a survival
   estimate under that censoring (Kaplan-Meier), so every root counts at any topk, and a topk can come down
   from 8 to 4 without measuring at 16 again. The topk in use is kept until its coverage is below COVER by
@@ -39,7 +39,7 @@ import numpy as np
 
 COVER = 0.90          # Coverage: the smallest topk whose first ranks hold this share of the proposed ones
 COVER_SEEN = 32       # ... once this many roots were counted (and below the largest, before a shift)
-MIN_TOPK = 1          # ... from this one up, doubling
+MIN_TOPK = 2          # ... from this one up, doubling: a hedge below every node (coordinator/core/calibration.py)
 FADE = 0.995          # rank counts fade by this much per root that could see them
 FADE_BELOW = 0.99     # below the largest topk, unproposed roots and what the counts allow of them fade by this
 SHIFT_Z = 3.0         # ... and a shift is this many standard deviations more unproposed than allowed

@@ -164,6 +164,10 @@ class TokenTree(TreeGrowth, TreeSelection):
         child = int(a.id[mine[hit[0]]]) if len(hit) else None
         return child, (int(at[0]) if len(at) else -1), int(np.count_nonzero(injected))
 
+    def root_children(self) -> int:
+        """How many children the root has (the draft's proposals there, in rank order)."""
+        return int(np.count_nonzero(self.a.parent == self.root)) if self.a.n > 1 else 0
+
     def matching_child(self, node_id: int, token: int) -> int | None:
         """The injected child of node_id that carries `token`, if any."""
         a = self.a

@@ -22,6 +22,7 @@ import torch
 
 NO_TOKEN = -1          # target_next not known yet
 NO_ROW = -1            # best_row: no child
+UNKNOWN = -1           # conf: no calibrated expansion (coordinator/core/calibration.py UNKNOWN)
 _LAYOUTS = itertools.count(1)   # NodeArrays.layout stamps
 
 
@@ -44,12 +45,14 @@ class NodeArrays:
                "parent": np.int64,        # [n] the parent's id (-1 above the root)
                "token": np.int64,         # [n]
                "depth": np.int64,         # [n] = the token's position in the sequence
-               "score": np.float64,       # [n] cumulative draft log-probability (for ranking)
+               "score": np.float64,       # [n] cumulative log-score for ranking: the draft's log-probabilities, or
+                                          # their calibrated values (coordinator/core/calibration.py)
                "injected": np.bool_,      # [n]
                "expanded": np.bool_,      # [n] the draft has proposed this node's children
                "asked": np.bool_,         # [n] a draft job in flight computes this node's children
                "target_next": np.int64,   # [n] the target's token after this node (NO_TOKEN: not known yet)
-               "best_row": np.int64}      # [n] row of the best child by (score, -id) (NO_ROW: none)
+               "best_row": np.int64,      # [n] row of the best child by (score, -id) (NO_ROW: none)
+               "conf": np.int8}           # [n] calibration bin of the draft's first choice here (-1: unknown)
 
     def __init__(self, capacity: int = 256) -> None:
         self._buf = {c: np.empty(capacity, t) for c, t in self.COLUMNS.items()}
@@ -68,6 +71,7 @@ class NodeArrays:
         self.id, self.parent, self.token, self.depth = b["id"][:n], b["parent"][:n], b["token"][:n], b["depth"][:n]
         self.score, self.injected, self.expanded = b["score"][:n], b["injected"][:n], b["expanded"][:n]
         self.asked, self.target_next, self.best_row = b["asked"][:n], b["target_next"][:n], b["best_row"][:n]
+        self.conf = b["conf"][:n]
 
     def where(self, ids: np.ndarray) -> np.ndarray:
         """[len(ids)] the row of each id, -1 for an id that is not live."""
@@ -105,7 +109,7 @@ class NodeArrays:
                 self._buf[c][:n] = b[:n]
         for c, values in (("id", ids), ("parent", parents), ("token", tokens), ("depth", depths),
                           ("score", scores), ("injected", False), ("expanded", False), ("asked", False),
-                          ("target_next", NO_TOKEN), ("best_row", NO_ROW)):
+                          ("target_next", NO_TOKEN), ("best_row", NO_ROW), ("conf", UNKNOWN)):
             self._buf[c][n:n + m] = values
         self.n = n + m
         self._views()
@@ -139,7 +143,7 @@ class NodeArrays:
             self._where[1:int(self.id[-1]) - self.base + 2] = -1
         for c, value in (("id", node_id), ("parent", -1), ("token", token), ("depth", depth), ("score", 0.0),
                          ("injected", False), ("expanded", False), ("asked", False), ("target_next", NO_TOKEN),
-                         ("best_row", NO_ROW)):
+                         ("best_row", NO_ROW), ("conf", UNKNOWN)):
             self._buf[c][0] = value
         self.base, self._where[1], self.n = node_id, 0, 1
         self._views()

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from coordinator.core.proposals import ProposalRows
-from coordinator.core.tree_columns import NO_ROW, NodeArrays
+from coordinator.core.tree_columns import NO_ROW, UNKNOWN, NodeArrays
 
 
 class TreeGrowth:
@@ -50,8 +50,7 @@ class TreeGrowth:
             raise KeyError(f"not in the tree: {parent_ids[~live].tolist()}")
         fresh = (self.a.best_row[prow] == NO_ROW).all() and len(set(parent_ids.tolist())) == len(parent_ids)
         m, k = rows.tokens.shape
-        self.a.expanded[prow] = True
-        self.a.asked[prow] = False
+        self._expanded(prow, rows)
         if fresh and rows.distinct and (rows.counts == k).all():      # a draft's top-k: every cell is a child
             return self._add_full(parent_ids, prow, rows)
         valid = rows.valid()
@@ -96,8 +95,7 @@ class TreeGrowth:
         a = self.a
         if a.expanded[prow].any():
             raise ValueError(f"chained nodes expanded already: {node_ids[a.expanded[prow]].tolist()}")
-        a.expanded[prow] = True
-        a.asked[prow] = False
+        self._expanded(prow, proposals)
         valid = proposals.valid()
         if int(child_ids.min()) <= int(a.id[-1]):
             raise ValueError(f"chained child id {int(child_ids.min())} is not above every live id")
@@ -136,8 +134,7 @@ class TreeGrowth:
                 and (proposals.full or (proposals.counts == proposals.tokens.shape[1]).all()) and a.asked[prow].all():
             # the hot path: a top-k for nodes still asked (`ask` marks distinct rows never expanded; expanding
             # clears the mark), so none has a child yet
-            a.expanded[prow] = True
-            a.asked[prow] = False
+            self._expanded(prow, proposals)
             self._add_full(ids, prow, proposals)
             return node_ids if isinstance(node_ids, list) else ids.tolist()
         self.add_children_many(ids, proposals)
@@ -158,6 +155,14 @@ class TreeGrowth:
                       scores.ravel())
         self.a.best_row[prow] = np.arange(n, n + m * k, k) + scores.argmax(axis=1)   # the first best of each row
         return ids
+
+    def _expanded(self, prow: np.ndarray, rows: ProposalRows) -> None:
+        """These rows' children are in: expanded, no longer asked, with the calibration bin of their
+        proposals (coordinator/core/calibration.py; UNKNOWN when the proposals were not calibrated)."""
+        a = self.a
+        a.expanded[prow] = True
+        a.asked[prow] = False
+        a.conf[prow] = UNKNOWN if rows.bins is None else rows.bins
 
     def _offer_best(self, r: int, cand: int, score: float) -> None:
         """Make row `cand` the best child of row r if it beats the current one by (score, -id) (rows are in

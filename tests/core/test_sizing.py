@@ -34,7 +34,7 @@ def test_a_line_with_one_bucket_is_flat_and_never_falls():
 
 def test_sizing_of_config_values():
     s = Sizing.of(0, 0, 0)
-    assert (s.max_width, s.max_topk, s.max_rounds, s.auto) == (32, 16, 3, True)
+    assert (s.max_width, s.max_topk, s.max_rounds, s.auto) == (32, 16, 4, True)
     s = Sizing.of(8, 0, 1)
     assert (s.max_width, s.pin_width, s.pin_topk, s.pin_rounds) == (8, True, False, True)
     assert not Sizing.of(8, 4, 1).auto
@@ -58,31 +58,48 @@ def test_the_gpu_profile_rates_by_hand():
     assert sizer.rate(Choice(4, 4, 2)) < sizer.rate(Choice(32, 16, 2))
 
 
-def test_a_third_round_is_kept_where_it_keeps_up_and_left_where_it_does_not():
-    """The GPU profile: 3 * d(32) = 3 * 1.66 = 4.98 ms fits in a step of 6.4875 ms, so 3 rounds rate as 2 and the
-    start (32, 16, 3) stays (ties keep the choice in use). A draft of 3 + 0.005 ms/row: 3 * 3.16 = 9.48 ms sets
-    the step, 2 * 3.16 = 6.32 does not (6.4875 ms, 1.46x as fast). Best of all is width 16 with one round: its
-    2 root children hold every target token seen (the first two ranks), so it commits about as much as 32 does
-    (99%: the counts' prior leaves a little beyond the first ranks), and its step is
-    max(5 + 0.4 + 0.5 + 0.1875, 3.08) = 6.0875 ms: 1.56x as fast as the start, over the 25% an untried choice
-    must promise."""
+def test_a_round_is_kept_where_it_keeps_up_and_left_where_it_does_not():
+    """Stages sharing the draft's cores (`_gpu()`'s default): a step holds all its rounds. 3 * d(32) =
+    3 * 1.66 = 4.98 ms fits in a step of 6.4875 ms, so 3 rounds rate as 2; the start's 4 * 1.66 = 6.64 ms sets
+    the step (2.3% slower), not by the 25% an untried choice must promise, so the start (32, 16, 4) stays.
+    A draft of 3 + 0.005 ms/row: 4 * 3.16 = 12.64 ms sets the step, 2 * 3.16 = 6.32 does not (6.4875 ms).
+    Best of all is width 16 with one round: its 2 root children hold every target token seen (the first two
+    ranks), so it commits about as much as 32 does (99%: the counts' prior leaves a little beyond the first
+    ranks), and its step is max(5 + 0.4 + 0.5 + 0.1875, 3.08) = 6.0875 ms: 2.08x as fast as the start."""
     gpu = _gpu()
     assert gpu.rate(Choice(32, 16, 3)) == pytest.approx(gpu.rate(Choice(32, 16, 2)))
+    assert gpu.rate(Choice(32, 16, 4)) == pytest.approx(0.76 / 6.64)
     _pace(gpu, 1 / gpu.rate(gpu.choice))
-    assert gpu.choose().shape == (32, 3)
-    slow = Sizer(8, Sizing.of(0, 0, 0), shared=False)
+    assert gpu.choose().shape == (32, 4)
+    slow = Sizer(8, Sizing.of(0, 0, 0))
     _teach(slow, (5.0, 0.025), 0.5, (3.0, 0.005), 1.5, 0.76, [0] * 90 + [1] * 10)
-    assert slow.rate(Choice(32, 16, 3)) == pytest.approx(0.76 / 9.48)
+    assert slow.rate(Choice(32, 16, 4)) == pytest.approx(0.76 / 12.64)
     assert slow.rate(Choice(32, 16, 2)) == pytest.approx(0.76 / 6.4875)
-    assert slow.leave_draft_bound_start() is None                # 9.48 < 2 * (5.8 + 0.5): not step 0's case
     assert slow.rate(Choice(16, 16, 1)) == pytest.approx(0.76 / 6.0875, rel=0.01)
     _pace(slow, 1 / slow.rate(slow.choice))
     assert slow.choose().shape == (16, 1)
 
 
+def test_where_stages_run_apart_a_round_beyond_a_step_is_run_ahead():
+    """Stages apart from the draft (GPU pods, the simulated clock): the draft works beside them and a result
+    cuts its rounds, so the step is max(stage, one round, control) and a result commits at most the rounds
+    that fit in it. The slow draft (3 + 0.005 ms/row): every round count of width 32 steps at 6.4875 ms and
+    fits 6.4875 / 3.16 = 2.05 rounds, more than the 0.76 tokens measured: all rate alike, and the start
+    (32, 16, 4) stays on ties. With 1.7 tokens a result, one round caps it at 1 token."""
+    slow = Sizer(8, Sizing.of(0, 0, 0), shared=False)
+    _teach(slow, (5.0, 0.025), 0.5, (3.0, 0.005), 1.5, 0.76, [0] * 90 + [1] * 10)
+    for rounds in (1, 2, 4):
+        assert slow.rate(Choice(32, 16, rounds)) == pytest.approx(0.76 / 6.4875)
+    assert slow.leave_draft_bound_start() is None                # 4 * 3.16 < 2 * (5.8 + 0.5): not step 0's case
+    many = Sizer(8, Sizing.of(0, 0, 0), shared=False)
+    _teach(many, (5.0, 0.025), 0.5, (3.0, 0.005), 1.5, 1.7, [0] * 90 + [1] * 10)
+    assert many.rate(Choice(32, 16, 1)) == pytest.approx(1 / 6.4875)
+    assert many.rate(Choice(32, 16, 4)) == pytest.approx(1.7 / 6.4875)
+
+
 def test_the_gpu_profile_stays_wide():
     sizer = _gpu()
-    assert sizer.choose() == Choice(32, 16, 3) and not sizer.decided     # not judged before it is measured
+    assert sizer.choose() == Choice(32, 16, 4) and not sizer.decided     # not judged before it is measured
     _pace(sizer, 1 / sizer.rate(sizer.choice))                           # as the model says
     choice = sizer.choose()
     assert sizer.decided and sizer.calibration == pytest.approx(1.0)
@@ -114,7 +131,7 @@ def test_none_is_tried_then_judged_by_its_measured_pace():
     token per 200 ms (the model said 118), against speculation measured at one per 150 ms: back to
     speculating."""
     sizer = Sizer(4, Sizing.of(0, 0, 0))
-    assert sizer.choice == Choice(32, 16, 3)
+    assert sizer.choice == Choice(32, 16, 4)
     _teach(sizer, (28.0, 0.5), 1.0, (112.0, 0.5), 3.0, 0.8, [0] * 80 + [1] * 10 + [-1] * 10)
     _pace(sizer, 150.0, 16)                   # speculating at 150 ms per token
     assert sizer.choose() == NONE and sizer.trying
@@ -131,14 +148,14 @@ def test_none_is_tried_then_judged_by_its_measured_pace():
     # out of none only a measured choice counts (stages share cores: the default), by 10%: width 32 x 3
     # rounds, measured at 150 ms a token against none's 200 (33% more), with the topk coverage allows: rank 0
     # holds 80 of the 90 proposed (89%), ranks 0-1 all: 2
-    assert seen[-1] == Choice(32, 2, 3)
+    assert seen[-1] == Choice(32, 2, 4)
     # the switches, for the engine's log: none modelled at 4 x (28.5 + 1) = 118 ms a token (the speculating
     # costs without control), then measured at 200
     trial, back = sizer.switches
-    assert (trial.before, trial.after, trial.why) == (Choice(32, 16, 3), NONE, Why.TRY_NONE)
+    assert (trial.before, trial.after, trial.why) == (Choice(32, 16, 4), NONE, Why.TRY_NONE)
     assert (trial.before_ms, trial.before_measured) == (pytest.approx(150.0), True)
     assert (trial.after_ms, trial.after_measured) == (pytest.approx(118.0), False)
-    assert (back.before, back.after, back.why) == (NONE, Choice(32, 2, 3), Why.FASTER)
+    assert (back.before, back.after, back.why) == (NONE, Choice(32, 2, 4), Why.FASTER)
     assert (back.before_ms, back.after_ms) == (pytest.approx(200.0), pytest.approx(150.0))
     assert back.before_measured and back.after_measured and sizer.switched == 2
     assert sizer.choose().speculates                  # none tried once: not again while its pace says no
@@ -157,10 +174,10 @@ def test_where_the_draft_sets_the_pace_fewer_rounds_commit_fewer_tokens():
     assert sizer.rate(Choice(8, 8, 1)) == pytest.approx(1 / 116.0)
     # step = max(28 + 16 + 0.65, 2 * 128, 1) = 256 ms for min(1.7, 2) tokens
     assert sizer.rate(Choice(32, 16, 2)) == pytest.approx(1.7 / 256.0)
-    assert sizer.rate(Choice(32, 16, 3)) == pytest.approx(1.7 / 384.0)     # (3 * 128 ms of draft)
-    _pace(sizer, 384.0 / 1.7, 16)             # the start, speculating as modelled: 226 ms per token
+    assert sizer.rate(Choice(32, 16, 4)) == pytest.approx(1.7 / 512.0)     # (4 * 128 ms of draft)
+    _pace(sizer, 512.0 / 1.7, 16)             # the start, speculating as modelled: 301 ms per token
     assert sizer.choose() == NONE
-    t = 384.0 / 1.7 * 16
+    t = 512.0 / 1.7 * 16
     for _ in range(14):                       # none at 119 ms per token
         t += 119.0
         sizer.observe_result(t, 1)
@@ -201,7 +218,7 @@ def test_what_ran_is_judged_by_its_measured_pace():
     50 ms): none it is."""
     sizer = _gpu()
     _pace(sizer, 100.0)
-    assert sizer.measured(Choice(32, 16, 3)) == pytest.approx(0.01)
+    assert sizer.measured(Choice(32, 16, 4)) == pytest.approx(0.01)
     sizer.paces[NONE.shape, 0] = Pace(0.9)
     for _ in range(5):
         sizer.paces[NONE.shape, 0].add(1, 50.0)
@@ -237,8 +254,8 @@ def test_paces_are_kept_by_load_level():
     _pace(sizer, 100.0)                               # one request
     for t in range(60):                               # then eight, whose count dips to seven now and then
         sizer.observe_result(5000.0 + 10.0 * t, 1, requests=7 if t % 4 == 0 else 8)
-    assert sizer.paces[Choice(32, 16, 3).shape, 0].rate == pytest.approx(0.01)
-    assert sizer.measured(Choice(32, 16, 3)) == pytest.approx(0.1, rel=0.05)     # eight's level now
+    assert sizer.paces[Choice(32, 16, 4).shape, 0].rate == pytest.approx(0.01)
+    assert sizer.measured(Choice(32, 16, 4)) == pytest.approx(0.1, rel=0.05)     # eight's level now
 
 
 class Table(Sizer):
@@ -282,23 +299,24 @@ def test_out_of_none_where_stages_share_cores_only_a_measured_choice_counts(shar
 
 def test_a_draft_bound_start_is_left_for_the_widest_choice_that_keeps_up():
     """The module's step 0, its docstring's example: stages of 50 ms (one bucket seen: flat), draft rounds of
-    16 and 32 rows that took 212 and 626 ms. After the first result the start (32, 16, 3) is left for
-    (2, 2, 1) at once, before the rule knows any acceptance; it is not done twice. (Stages on hardware of their
+    16 and 32 rows that took 212 and 626 ms. After the first result the start (32, 16, 4) is left for
+    (2, 2, 4) at once, before the rule knows any acceptance (one round of 2 rows, 36.6 ms, keeps up with a
+    50 ms step; apart, its other rounds are run-ahead); it is not done twice. (Stages on hardware of their
     own: where they share the draft's cores the smallest is taken, tests/core/test_sizing_settle.py.)"""
     sizer = Sizer(4, Sizing.of(0, 0, 0), shared=False)
     sizer.observe_draft(16, 212.0)
-    assert sizer.step() == Choice(32, 16, 3), "one draft round (a warm-up) and no stage step: not known yet"
+    assert sizer.step() == Choice(32, 16, 4), "one draft round (a warm-up) and no stage step: not known yet"
     sizer.observe_stage(43, 50.0)
     sizer.observe_draft(32, 626.0)
-    assert sizer.leave_draft_bound_start() == Choice(2, 2, 1)
-    assert sizer.step() == Choice(2, 2, 1) and sizer.left_start and not sizer.decided
+    assert sizer.leave_draft_bound_start() == Choice(2, 2, 4)
+    assert sizer.step() == Choice(2, 2, 4) and sizer.left_start and not sizer.decided
     sizer.observe_draft(2, 400.0)                # even slower now: step 0 is not repeated
-    assert sizer.step() == Choice(2, 2, 1)
+    assert sizer.step() == Choice(2, 2, 4)
 
 
 def test_a_start_whose_draft_keeps_up_stays_and_a_pinned_width_never_leaves():
     gpu = _gpu()                               # 3 * d(32) = 5.0 ms against c(32) + hop = 6.3 ms
-    assert gpu.leave_draft_bound_start() is None and gpu.step().shape == (32, 3)    # (topk by coverage: 4)
+    assert gpu.leave_draft_bound_start() is None and gpu.step().shape == (32, 4)    # (topk by coverage: 4)
     pinned = Sizer(4, Sizing.of(32, 0, 0))
     pinned.observe_stage(43, 50.0)
     for rows, ms in ((16, 212.0), (32, 626.0)):
@@ -311,7 +329,7 @@ def test_a_draft_too_slow_for_any_choice_leaves_for_the_smallest():
     sizer.observe_stage(8, 10.0)
     for rows, ms in ((16, 300.0), (32, 300.0)):  # one bucket each, flat at 300 ms: nothing keeps up
         sizer.observe_draft(rows, ms)
-    assert sizer.step() == Choice(1, 1, 1)
+    assert sizer.step() == Choice(1, 2, 1)            # (topk: MIN_TOPK, a hedge below every node)
 
 
 def test_a_speculating_choice_measured_slow_before_the_trial_of_none_keeps_its_calibration():
@@ -351,7 +369,7 @@ def _covered(counts: list[int]) -> Sizer:
 ])
 def test_topk_is_the_smallest_that_covers_the_proposed_ranks(counts, topk):
     sizer = _covered(counts)
-    assert sizer.step().topk == topk and sizer.choice.shape == (32, 3)
+    assert sizer.step().topk == topk and sizer.choice.shape == (32, 4)
     assert {c.topk for c in sizer.candidates() if c.width >= topk} == {topk}
     assert all(c.topk <= max(4, c.width) for c in sizer.candidates() if c.speculates)
 
@@ -361,7 +379,7 @@ def test_a_topk_change_keeps_the_pace_and_its_measurement():
     skipped (a width change skips the S results of micro-batches sent before it)."""
     sizer = _covered([72, 15, 6, 3, 2, 1, 1, 0])
     before = sizer.measured(sizer.choice)
-    assert sizer.step() == Choice(32, 4, 3) and sizer.measured(sizer.choice) == before and sizer._skip == 0
+    assert sizer.step() == Choice(32, 4, 4) and sizer.measured(sizer.choice) == before and sizer._skip == 0
 
 
 def test_coverage_waits_for_enough_ranks_and_a_pinned_topk_never_moves():
@@ -384,7 +402,7 @@ def test_a_draft_that_gets_worse_under_a_small_topk_moves_it_up():
     for i in range(64):
         sizer.observe_root(-1 if i % 3 == 0 else 0, 4)
     assert sizer.coverage.covered(4) < COVER - HOLD_Z * (COVER * (1 - COVER) / sizer.coverage.risk[0]) ** 0.5
-    assert sizer.choose().topk == 8 and sizer.step() == Choice(32, 8, 3)
+    assert sizer.choose().topk == 8 and sizer.step() == Choice(32, 8, 4)
     for i in range(32):
         sizer.observe_root(4 + i % 4 if i % 4 == 0 else 0, 8)
     assert sizer.choose().topk == 8 and sizer.coverage.covered(4) < COVER
@@ -439,10 +457,10 @@ def test_coverage_by_hand(monkeypatch):
     for rank in [0] * 30 + [-1] * 20:
         cov.add(rank, 4)
     assert cov.covered(4) == pytest.approx(1 - 24 / 150) and cov.topk(4) == 8
-    small = Coverage(4)                                # the largest is 4, every root at rank 0: a chain
-    for _ in range(40):
+    small = Coverage(4)                                # the largest is 4, every root at rank 0: a chain, with
+    for _ in range(40):                                # one hedge below each node (MIN_TOPK)
         small.add(0, 4)
-    assert small.topk(4) == 1
+    assert small.topk(4) == 2
 
 
 def test_a_root_with_no_proposal_in_says_nothing_of_topk():

@@ -34,6 +34,7 @@ import torch
 
 from common.sampling import Sampling
 
+from coordinator.core.calibration import CalibrationTable
 from coordinator.core.drafts.base import DraftNode, DraftSource, Proposals
 from coordinator.core.drafts.chain import Chain, ChainRound
 from coordinator.core.proposals import ProposalRows
@@ -70,6 +71,8 @@ class DraftJob:
     asked_at: dict[str, tuple[int, np.ndarray]] = field(default_factory=dict)   # request -> (its tree's
     # `NodeArrays.layout`, [len(tree_nodes)] the nodes' rows) when asked (TokenTree.add_asked)
     cut: bool = False      # set by the scheduler when a result comes back: chained rounds stop at a round's end
+    calibration: CalibrationTable | None = None   # rescores the proposals of the requests in `calibrated` as
+    calibrated: set[str] = field(default_factory=set)   # they come out of each call (coordinator/core/calibration.py)
     chains: dict[str, Chain] = field(default_factory=dict)   # request -> its later rounds, chosen by the draft
     # (coordinator/core/drafts/chain.py); its first round is its entry in `expand`
 
@@ -125,13 +128,19 @@ class DraftJob:
                 if isinstance(got, Exception):
                     out.errors[request_id] = got
                     continue
-                out.proposals[request_id] = got
+                out.proposals[request_id] = self._scored(request_id, got)
                 if request_id in self.keep_q:
                     out.q[request_id] = {n.node_id: draft.take_q(request_id, n.node_id) for n in nodes}
             if self.chains:
                 yield from self._chain(draft, out, {request_id: len(nodes) for request_id, nodes in expand})
         out.compute_ms = (draft.compute_s - before) * 1e3
         return out
+
+    def _scored(self, request_id: str, got: Proposals) -> Proposals:
+        """A request's proposals as the tree scores them: calibrated (`calibration`) or as the draft gave them."""
+        if self.calibration is None or request_id not in self.calibrated:
+            return got
+        return self.calibration.apply(got if isinstance(got, ProposalRows) else ProposalRows.of(got))
 
     def _chain(self, draft: DraftSource, out: "DraftResults", asked: dict[str, int]) -> Generator[None, None, None]:
         """The chained requests' later rounds (coordinator/core/drafts/chain.py), batched across requests: after
@@ -172,7 +181,8 @@ class DraftJob:
                 if isinstance(got, Exception):
                     out.errors[request_id] = got
                     continue
-                due[request_id] = got if isinstance(got, ProposalRows) else ProposalRows.of(got)
+                due[request_id] = self._scored(request_id, got if isinstance(got, ProposalRows)
+                                               else ProposalRows.of(got))
                 if request_id in self.keep_q:
                     out.q.setdefault(request_id, {}).update(
                         {n.node_id: draft.take_q(request_id, n.node_id) for n in nodes})

@@ -5,6 +5,7 @@ from dataclasses import dataclass, fields
 
 from common.options import option
 
+from coordinator.core.calibration import Calibration
 from coordinator.core.drafts.base import DraftSource
 from coordinator.core.schedulers.base import Scheduler
 from coordinator.core.schedulers.cbpp import CBPPScheduler
@@ -28,10 +29,13 @@ class Speculation:
     topk: int = option(0, "children the draft proposes per node; 0: the cost rule picks up to 16")
     draft_rounds: int = option(0, "specpipe: draft calls per step; each expands the best not-yet-expanded nodes so "
                                   "a micro-batch can span several tree layers (layer policy: 1); 0: the cost rule "
-                                  "picks 1 to 3")
+                                  "picks 1 to 4")
     draft_chain: bool = option(True, "specpipe: a step's draft rounds in one job, the draft choosing the later "
                                      "rounds' nodes as the tree would (one coordinator call a step instead of one a "
                                      "round); false: a job per round")
+    calibrate: bool = option(True, "specpipe: rank the tree's nodes by the draft's measured acceptance (greedy "
+                                   "requests: how often its r-th choice at a given confidence was the target's "
+                                   "token) instead of its probability")    # coordinator/core/calibration.py
     stage_hardware: str = option("shared", "specpipe's cost rule: the stages compute on the draft's hardware "
                                            "(shared: one machine, e.g. specpipe local), so plain pipelining is "
                                            "tried once before its model of it is trusted; or on their own "
@@ -61,11 +65,12 @@ class SpecOptions(Speculation):
 
 
 def make_scheduler(method: str, num_stages: int, spec: SpecOptions | None = None,
-                   sizer: Sizer | None = None) -> Scheduler:
-    """The method's scheduler. `sizer`: specpipe's cost rule carried over from an earlier scheduler of the
-    same pipeline and settings (what it learnt stays); by default a new one when any of width, topk and draft
-    rounds is left to it, told whether the stages' step times may depend on the draft's work
-    (`spec.stage_hardware`: coordinator/core/sizing.py Sizer)."""
+                   sizer: Sizer | None = None, calibration: Calibration | None = None) -> Scheduler:
+    """The method's scheduler. `sizer`, `calibration`: specpipe's cost rule and tree calibration carried over
+    from an earlier scheduler of the same pipeline and settings (what they learnt stays); by default a new
+    cost rule when any of width, topk and draft rounds is left to it, told whether the stages' step times may
+    depend on the draft's work (`spec.stage_hardware`: coordinator/core/sizing.py Sizer), and a new
+    calibration unless `spec.calibrate` is off."""
     spec = spec or SpecOptions()
     if method == Method.PP:
         return PPScheduler(num_stages, spec.prefill_chunk)
@@ -80,7 +85,8 @@ def make_scheduler(method: str, num_stages: int, spec: SpecOptions | None = None
             sizer = Sizer(num_stages, sizing, spec.node_budget, shared)
         return SpecPipeScheduler(num_stages, spec.draft, sizing.max_width, spec.tree_policy, sizing.max_topk,
                                  spec.node_budget, spec.verify, sizing.max_rounds, spec.prefill_chunk, sizer,
-                                 bool(spec.draft_chain))
+                                 bool(spec.draft_chain),
+                                 (calibration or Calibration()) if spec.calibrate else None)
     if method in (Method.SPS, Method.TREE, Method.PIPEINFER):
         if spec.draft is None:
             raise ValueError(f"method {method!r} needs a draft source (--draft quant|quant+ngram|ngram|model)")

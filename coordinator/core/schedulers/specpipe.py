@@ -30,6 +30,7 @@ import numpy as np
 from common.batch import MicroBatch, Segment
 from common.sampling import uniform
 
+from coordinator.core.calibration import Calibration
 from coordinator.core.drafts.base import DraftNode, DraftSource
 from coordinator.core.drafts.job import DraftJob, DraftOp, OpKind
 from coordinator.core.schedulers.base import RequestState
@@ -51,7 +52,8 @@ class SpecPipeScheduler(DraftBeside, BatchingScheduler):
 
     def __init__(self, num_stages: int, draft: DraftSource, width: int = 32, policy: str = "hybrid",
                  topk: int = 16, node_budget: int = 32, verify: str = "match", rounds: int = 2,
-                 prefill_chunk: int = 256, sizer: Sizer | None = None, chain: bool = True) -> None:
+                 prefill_chunk: int = 256, sizer: Sizer | None = None, chain: bool = True,
+                 calibration: Calibration | None = None) -> None:
         super().__init__(num_stages, node_budget, prefill_chunk)
         if width < 1 or topk < 1 or rounds < 1:
             raise ValueError("width, topk and rounds must be at least 1")
@@ -79,6 +81,9 @@ class SpecPipeScheduler(DraftBeside, BatchingScheduler):
             self.width, self.topk, self.rounds = self.sizer.choice.width, self.sizer.choice.topk, \
                 1 if policy == TreePolicy.LAYER else self.sizer.choice.rounds
         self.plain: set[str] = set()                 # requests served without speculation (the rule chose none)
+        # the tree's scores from the draft's measured acceptance (coordinator/core/calibration.py; None: the
+        # draft's own log-probabilities), learnt across requests, or carried over from an earlier scheduler
+        self.calibration = calibration
         self._control_ms = 0.0                       # control time charged since the last result
         self._committed = 0                          # tokens committed, all requests
 
@@ -282,6 +287,8 @@ class SpecPipeScheduler(DraftBeside, BatchingScheduler):
             else:
                 child, *rank = tree.match_root(target)
                 token = target
+                if self.calibration is not None and state.request.sampling.greedy and request_id not in self.plain:
+                    self.calibration.observe(int(tree.a.conf[0]), rank[0], tree.root_children())
             plain = request_id in self.plain     # no speculation: the target's token is the next root, no miss
             if self.sizer is not None and not plain:
                 self.sizer.observe_root(*rank)

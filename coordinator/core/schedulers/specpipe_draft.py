@@ -41,6 +41,7 @@ from coordinator.core.status import FinishReason, Status
 from coordinator.core.vocabulary import TreePolicy
 
 if TYPE_CHECKING:
+    from coordinator.core.calibration import Calibration
     from coordinator.core.drafts.base import DraftSource
     from coordinator.core.sizing import Sizer
     from coordinator.core.tree import TokenTree
@@ -62,6 +63,7 @@ class DraftBeside:
     policy: str
     chain: bool
     out_job: DraftJob | None
+    calibration: Calibration | None
 
     @property
     def has_work(self) -> bool:
@@ -97,6 +99,8 @@ class DraftBeside:
             if request_id not in self.begun:             # the draft holds the request from this job on
                 self.begun.add(request_id)
                 job.begin.append((request_id, state.request.prompt_ids, state.request.sampling, self._rejection(state)))
+            if self.calibration is not None and state.request.sampling.greedy:
+                job.calibrated.add(request_id)
             limit = self._max_depth(state, tree)
             if chained:
                 self._chain(job, state, tree, due, width, limit, lead)
@@ -108,6 +112,8 @@ class DraftBeside:
             if len(rows):
                 self._ask(job, request_id, *tree.ask(rows, state.root_parent))
                 job.asked_at[request_id] = (tree.a.layout, rows)
+        if job.calibrated:
+            job.calibration = self.calibration.table()
         if job.ops or job.begin or job.expand:
             self.out_job = job
             return job

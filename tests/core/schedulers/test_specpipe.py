@@ -1,9 +1,10 @@
 """`specpipe` greedy output is token-identical to transformers' greedy decoding, for every draft source
-and pipeline depth; stages hold KV only for committed and live nodes; prune order does not matter."""
+and pipeline depth, ranked by the draft's probabilities or its measured acceptance; stages hold KV only for committed and live nodes; prune order does not matter."""
 from __future__ import annotations
 
 import pytest
 
+from coordinator.core.calibration import Calibration
 from coordinator.core.drafts.model import check_same_tokenizer
 from coordinator.core.drafts.ngram import NgramDraft
 from coordinator.core.schedulers.base import Request
@@ -27,8 +28,10 @@ def test_specpipe_matches_transformers(tiny_model8, tiny_hf8, tiny_draft_model, 
     ps = prompts(3, seed=num_stages)
     # every policy meets every depth and every draft source across the matrix
     policy = TREE_POLICIES[(STAGES.index(num_stages) + DRAFTS.index(draft)) % len(TREE_POLICIES)]
+    # and half of the cases rank the tree by the draft's measured acceptance (coordinator/core/calibration.py)
+    calibration = Calibration() if (STAGES.index(num_stages) + DRAFTS.index(draft)) % 2 == 0 else None
     sched = SpecPipeScheduler(num_stages, make_draft(draft, tiny_model8, tiny_draft_model), width=4,
-                              policy=policy)
+                              policy=policy, calibration=calibration)
     out = InProcessPipeline(runners).run(sched, [Request(f"r{i}", p, NEW) for i, p in enumerate(ps)])
     for i, p in enumerate(ps):
         o = out[f"r{i}"]
@@ -43,6 +46,8 @@ def test_specpipe_matches_transformers(tiny_model8, tiny_hf8, tiny_draft_model, 
             assert o.stats.spec.misses <= 1, "an always-right draft misses at most at the start"
     assert all(not r.cache.requests for r in runners), "finished requests leave nothing on any stage"
     assert not sched.trees and not sched.requests
+    if calibration is not None and draft != "ngram":
+        assert calibration.seen.sum() > 0, "every verification at a calibrated node teaches the calibration"
 
 
 @pytest.mark.parametrize("policy", ["layer", "best-first"])
