@@ -75,11 +75,14 @@ What it chooses (`Sizer.step`, after every result; `choose` every max(8, 4 S) re
 4. **topk by coverage** (`topk_for`, `Coverage`): a node's children are the draft's top-k proposals, and a rank
    the target never takes costs the tree a row and the coordinator its top-k lists, but buys nothing. The
    ranks seen at the roots choose the smallest of 2, 4, 8, 16, ... whose first k ranks hold COVER of the
-   target's tokens the largest topk proposes. Not 1: with the tree ranked by the draft's measured acceptance
-   (coordinator/core/calibration.py) a second child below every node lets it hedge where the draft is unsure
-   and costs a row only where that hedge ranks among the width's best (the `quant` draft's first rank holds
-   96%: GPU regime, 8 prompts, width 32 x 4 rounds, no control time charged: 2.3 ms between tokens at topk 2,
-   2.4 at topk 4; uncalibrated, topk 1 was best, 3.2 ms on 4 prompts against 4.4 at topk 4). Below the largest a rank beyond topk reads "not proposed": the ranks are a survival estimate
+   target's tokens the largest topk proposes. Not 1 where stages run apart: with the tree ranked by the
+   draft's measured acceptance (coordinator/core/calibration.py) a second child below every node lets it
+   hedge where the draft is unsure, for a draft row and a stage row that cost little there (the `quant`
+   draft's first rank holds 96%: GPU regime, 8 prompts, width 32 x 4 rounds, no control time charged: 2.3 ms
+   between tokens at topk 2, 2.4 at topk 4; uncalibrated, topk 1 was best, 3.2 ms on 4 prompts against 4.4
+   at topk 4). Where stages share the draft's cores from 1 (CHAIN_TOPK): a chain's draft computes one row a
+   round, a hedged one as many as its width, each a row's compute on the stages' cores (real processes,
+   S = 2 and 4, the rule at topk 2: twice of four runs none won). Below the largest a rank beyond topk reads "not proposed": the ranks are a survival estimate
    under that censoring (Kaplan-Meier, `Coverage`), counted at every topk, and the topk in use is kept
    until it holds less than COVER by HOLD_Z standard errors. A draft that gets worse under a small topk
    leaves more roots unproposed, which lowers that topk's coverage until a larger one is chosen; more
@@ -107,7 +110,7 @@ from collections import deque
 import numpy as np
 
 # the estimators it measures with; Line and Pace are imported from here too (tests/core/test_sizing.py)
-from coordinator.core.sizing_estimators import MIN_TOPK, Costs, Coverage, Ewma, Line, Pace
+from coordinator.core.sizing_estimators import CHAIN_TOPK, MIN_TOPK, Costs, Coverage, Ewma, Line, Pace
 # what it chooses among and tells (imported from here too)
 from coordinator.core.sizing_choices import AUTO_MAX, NONE, Choice, Sizing, Switch, Why
 
@@ -148,7 +151,8 @@ class Sizer:
         # fading counts of the target's rank among the proposals (MAX_RANK: not proposed), from a prior of
         # two observations: one spread over the ranks as 1/2, 1/4, ..., one not proposed
         self.ranks = np.append(0.5 ** np.arange(1, MAX_RANK + 1), 1.0)
-        self.coverage = Coverage(sizing.max_topk, MAX_RANK)     # rule step 4
+        self.min_topk = CHAIN_TOPK if shared else MIN_TOPK      # rule step 4
+        self.coverage = Coverage(sizing.max_topk, MAX_RANK, self.min_topk)
         self.cover = sizing.max_topk              # the topk coverage allows, as of the last decision
         self.every = max(EVERY, 4 * num_stages)   # results between decisions: a miss costs S of them
         # what each choice committed per ms, as measured, by load (requests held, in powers of two: a pace
@@ -236,7 +240,7 @@ class Sizer:
     def topk_for(self, width: int) -> int:
         """The topk of a choice of this width: pinned, else min(the largest, width, coverage)."""
         s = self.sizing
-        return s.max_topk if s.pin_topk else min(s.max_topk, max(MIN_TOPK, width), self.cover)
+        return s.max_topk if s.pin_topk else min(s.max_topk, max(self.min_topk, width), self.cover)
 
     def measured(self, choice: Choice, requests: int = 1) -> float | None:
         """The choice's measured pace at this load, once it has run long enough: speculating, half a decision

@@ -13,7 +13,7 @@ one sample at a time from the scheduler's events, none with a clock of its own.
 - `Costs`: what a pipeline step costs in one mode (speculating or not): the stage `Line`, the hop and
   control `Ewma`s; `known` once the stage line has a sample and the hop four.
 - `Coverage(largest)`: the ranks the target's token took among the draft's proposals at the roots, and the
-  smallest topk (MIN_TOPK = 2, 4, 8, 16, ...) whose first ranks hold COVER of those the largest topk proposes (the rule's
+  smallest topk (MIN_TOPK = 2, 4, 8, 16, ...; from CHAIN_TOPK = 1 where stages share the draft's cores) whose first ranks hold COVER of those the largest topk proposes (the rule's
   step 4). Under a topk below the largest a rank beyond it reads "not proposed": the counts are a survival
   estimate under that censoring (Kaplan-Meier), so every root counts at any topk, and a topk can come down
   from 8 to 4 without measuring at 16 again. The topk in use is kept until its coverage is below COVER by
@@ -39,7 +39,8 @@ import numpy as np
 
 COVER = 0.90          # Coverage: the smallest topk whose first ranks hold this share of the proposed ones
 COVER_SEEN = 32       # ... once this many roots were counted (and below the largest, before a shift)
-MIN_TOPK = 2          # ... from this one up, doubling: a hedge below every node (coordinator/core/calibration.py)
+MIN_TOPK = 2          # ... from this one up, doubling: a hedge below every node (coordinator/core/calibration.py),
+CHAIN_TOPK = 1        # or from this one where the draft's rows take the stages' cores (`Coverage(smallest=)`)
 FADE = 0.995          # rank counts fade by this much per root that could see them
 FADE_BELOW = 0.99     # below the largest topk, unproposed roots and what the counts allow of them fade by this
 SHIFT_Z = 3.0         # ... and a shift is this many standard deviations more unproposed than allowed
@@ -149,8 +150,9 @@ class Coverage:
         (all by rank 6) make it 8 (or, sooner, the shift check forgets the counts and topk 16 measures again)
     """
 
-    def __init__(self, largest: int, ranks: int = 64) -> None:
+    def __init__(self, largest: int, ranks: int = 64, smallest: int = MIN_TOPK) -> None:
         self.largest = min(largest, ranks)
+        self.smallest = min(smallest, self.largest)   # the smallest topk chosen
         self.hits = np.zeros(self.largest)        # fading, by rank: roots whose target took it
         self.risk = np.zeros(self.largest)        # fading, by rank: roots that could see it, not taken before
         self.below = np.zeros(3)                  # below the largest, fading: unproposed, allowed, variance
@@ -194,7 +196,7 @@ class Coverage:
         return (1 - self.survival(min(k, self.largest))) / proposed if proposed > 0 else 0.0
 
     def topk(self, current: int) -> int:
-        """The smallest of MIN_TOPK, 2 MIN_TOPK, ... whose first ranks hold COVER of those proposed; the one in
+        """The smallest of `smallest`, 2 `smallest`, ... whose first ranks hold COVER of those proposed; the one in
         use is kept until it holds less than COVER by HOLD_Z standard errors (chance does not move it); the
         largest until COVER_SEEN roots were seen."""
         roots = self.risk[0]
@@ -204,8 +206,8 @@ class Coverage:
             held = self.covered(current)
             if held >= COVER - HOLD_Z * math.sqrt(COVER * (1 - COVER) / roots):
                 smaller = current // 2
-                return smaller if smaller >= MIN_TOPK and self.covered(smaller) >= COVER else current
-        k = MIN_TOPK
+                return smaller if smaller >= self.smallest and self.covered(smaller) >= COVER else current
+        k = self.smallest
         while k < self.largest and self.covered(k) < COVER:
             k *= 2
         return min(k, self.largest)

@@ -329,7 +329,7 @@ def test_a_draft_too_slow_for_any_choice_leaves_for_the_smallest():
     sizer.observe_stage(8, 10.0)
     for rows, ms in ((16, 300.0), (32, 300.0)):  # one bucket each, flat at 300 ms: nothing keeps up
         sizer.observe_draft(rows, ms)
-    assert sizer.step() == Choice(1, 2, 1)            # (topk: MIN_TOPK, a hedge below every node)
+    assert sizer.step() == Choice(1, 1, 1)            # (stages share cores: topk from CHAIN_TOPK, a chain)
 
 
 def test_a_speculating_choice_measured_slow_before_the_trial_of_none_keeps_its_calibration():
