@@ -26,11 +26,10 @@ target's token was that child. With no data a score is the draft's own log-proba
 did without calibration); the pooled rate is learnt within a few verifications, each bin's own as its
 verifications come in. Scores along a row are made non-increasing (a row stays best first).
 
-Worked example (PRIOR 4): 20 verifications so far, all at nodes of bin [0.3, 0.4) with two children, 19 won
-by the first child and 1 by the second. A first child at p = 0.35: pooled (19 + 1.4) / 24 = 0.85, and its bin
-has the same counts, so P = (19 + 4 * 0.85) / 24 = 0.933; its sibling at p = 0.2: pooled (1 + 0.8) / 24 =
-0.075, P = (1 + 0.3) / 24 = 0.054. A first child at p = 0.95 (a bin not seen yet): pooled (19 + 3.8) / 24 =
-0.95, P = 0.95.
+Worked example (PRIOR 4, fading aside): 20 verifications so far, all at nodes of bin [0.3, 0.4) with two children,
+19 won by the first child and 1 by the second. A first child at p = 0.35: pooled (19 + 1.4) / 24 = 0.85, and its bin
+has the same counts, so P = (19 + 4 * 0.85) / 24 = 0.933; its sibling at p = 0.2: pooled (1 + 0.8) / 24 = 0.075, P =
+(1 + 0.3) / 24 = 0.054. A first child at p = 0.95 (a bin not seen yet): pooled (19 + 3.8) / 24 = 0.95, P = 0.95.
 
 Only greedy requests verified by `match` are calibrated (sampling has its own scores: drafts/model.py).
 The `Calibration` (owned by one scheduler, across its requests) learns; a job carries a frozen
@@ -50,6 +49,7 @@ EDGES = np.asarray([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99])   
 BINS = len(EDGES) + 1
 RANKS = 16             # children per node the table keeps (the cost rule's largest topk)
 PRIOR = 4.0            # weight of the draft's own probability, in verifications
+FADE = 0.999           # a bin's counts fade by this at each of its verifications: ~1000 of them remembered
 
 
 @dataclass(frozen=True)
@@ -93,9 +93,13 @@ class Calibration:
 
     def observe(self, conf: int, rank: int, children: int) -> None:
         """A verification at a node of bin `conf` with `children` children, the target's token the rank-th
-        of them (-1: none of them). A node of unknown bin (expanded uncalibrated) teaches nothing."""
+        of them (-1: none of them). A node of unknown bin (expanded uncalibrated) teaches nothing. The bin's
+        counts fade first (FADE), so a draft that drifts with the workload is followed; a bin not seen keeps
+        what it had."""
         if conf == UNKNOWN or children <= 0:
             return
+        self.hits[conf] *= FADE
+        self.seen[conf] *= FADE
         self.seen[conf, :min(children, RANKS)] += 1
         if 0 <= rank < RANKS:
             self.hits[conf, rank] += 1

@@ -43,12 +43,12 @@ E_now = 0.8 -> 140 ms: none.
 What it chooses (`Sizer.step`, after every result; `choose` every max(8, 4 S) results):
 
 0. **Leave a draft-bound start at once**: before the rule knows what speculation commits, a start whose draft
-   rounds take DRAFT_BOUND times a stage step (r * d(w) > DRAFT_BOUND * (c(w) + hop), seen from the first two
-   draft rounds and the first result) is left for the largest choice whose rounds keep up with a stage step
-   (r * d(w) <= c(w) + hop; apart, one round: d(w) <= c(w) + hop), else the smallest: a CPU whose draft is the whole target spent its first ~10
-   results (1.9 s of `make run`) at width 32 x 2 rounds, 110-630 ms of draft each, before it could try none.
-   Where stages share the draft's cores it goes to the smallest (width 1, 1 round): there every row either computes
-   takes the same cores, and a wide tree that "keeps up" with a wide stage step (32 x 1 at S = 2 here) ran
+   rounds take DRAFT_BOUND times a stage step (r * d(w) > DRAFT_BOUND * (c(w) + hop), seen from the first two draft
+   rounds and the first result) is left for the largest choice whose rounds keep up with a stage step (r * d(w) <=
+   c(w) + hop; apart, one round: d(w) <= c(w) + hop), else the smallest: a CPU whose draft is the whole target spent
+   its first ~10 results (1.9 s of `make run`) at width 32 x 2 rounds, 110-630 ms of draft each, before it could try
+   none. Where stages share the draft's cores it goes to the smallest (width 1, 1 round): there every row either
+   computes takes the same cores, and a wide tree that "keeps up" with a wide stage step (32 x 1 at S = 2 here) ran
    at 76-80 ms a token against none's 47. The GPU regime (apart: d(32) = 1.66 ms against c(32) + hop = 6.3 ms)
    starts and stays large.
 1. **Start large, grow, try none**: the largest choice first; where stages share cores, the choice step 0
@@ -73,22 +73,22 @@ What it chooses (`Sizer.step`, after every result; `choose` every max(8, 4 S) re
    model alone speaks for (out of none, width 4 x 1 rode on it and then measured 0.94x `pp`); at a load
    where nothing speculating has run, none stays. Ties keep the current choice.
 4. **topk by coverage** (`topk_for`, `Coverage`): a node's children are the draft's top-k proposals, and a rank
-   the target never takes costs the tree a row and the coordinator its top-k lists, but buys nothing. The
-   ranks seen at the roots choose the smallest of 2, 4, 8, 16, ... whose first k ranks hold COVER of the
-   target's tokens the largest topk proposes. Not 1 where stages run apart: with the tree ranked by the
-   draft's measured acceptance (coordinator/core/calibration.py) a second child below every node lets it
-   hedge where the draft is unsure, for a draft row and a stage row that cost little there (the `quant`
-   draft's first rank holds 96%: GPU regime, 8 prompts, width 32 x 4 rounds, no control time charged: 2.3 ms
-   between tokens at topk 2, 2.4 at topk 4; uncalibrated, topk 1 was best, 3.2 ms on 4 prompts against 4.4
-   at topk 4). Where stages share the draft's cores from 1 (CHAIN_TOPK): a chain's draft computes one row a
-   round, a hedged one as many as its width, each a row's compute on the stages' cores (real processes,
-   S = 2 and 4, the rule at topk 2: twice of four runs none won). Below the largest a rank beyond topk reads "not proposed": the ranks are a survival estimate
-   under that censoring (Kaplan-Meier, `Coverage`), counted at every topk, and the topk in use is kept
-   until it holds less than COVER by HOLD_Z standard errors. A draft that gets worse under a small topk
-   leaves more roots unproposed, which lowers that topk's coverage until a larger one is chosen; more
-   unproposed than the counts allow (what lies beyond the topk in use is not seen) by SHIFT_Z standard
-   deviations is a shift: the counts are forgotten and the largest topk measures again. A topk change is
-   not a change of pace: paces are kept by (width, rounds), and it does not wait for a decision.
+   the target never takes costs the tree a row and the coordinator its top-k lists, but buys nothing. The ranks seen
+   at the roots choose the smallest of 2, 4, 8, 16, ... whose first k ranks hold COVER of the target's tokens the
+   largest topk proposes. Not 1 where stages run apart: with the tree ranked by the draft's measured acceptance
+   (coordinator/core/calibration.py) a second child below every node lets it hedge where the draft is unsure, for a
+   draft row and a stage row that cost little there (the `quant` draft's first rank holds 96%: GPU regime, 8
+   prompts, width 32 x 4 rounds, no control time charged: 2.3 ms between tokens at topk 2, 2.4 at topk 4;
+   uncalibrated, topk 1 was best, 3.2 ms on 4 prompts against 4.4 at topk 4). Where stages share the draft's cores
+   from 1 (CHAIN_TOPK): a chain's draft computes one row a round, a hedged one as many as its width, each a row's
+   compute on the stages' cores (real processes, S = 2 and 4, the rule at topk 2: twice of four runs none won).
+   Below the largest a rank beyond topk reads "not proposed": the ranks are a survival estimate under that censoring
+   (Kaplan-Meier, `Coverage`), counted at every topk, and the topk in use is kept until it holds less than COVER by
+   HOLD_Z standard errors. A draft that gets worse under a small topk leaves more roots unproposed, which lowers
+   that topk's coverage until a larger one is chosen; more unproposed than the counts allow (what lies beyond the
+   topk in use is not seen) by SHIFT_Z standard deviations is a shift: the counts are forgotten and the largest topk
+   measures again. A topk change is not a change of pace: paces are kept by (width, rounds), and it does not wait
+   for a decision.
 
        ranks 0..15 seen 72, 15, 6, 3, 2, 1, 1, 0, ... times (100 proposed): the first 4 hold 96% -> topk 4;
        a flat draft (every rank about as likely) keeps 16.

@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from coordinator.core.calibration import EDGES, PRIOR, RANKS, Calibration
+from coordinator.core import calibration as calibration_module
+from coordinator.core.calibration import EDGES, FADE, PRIOR, RANKS, Calibration
 from coordinator.core.drafts.job import DraftJob
 from coordinator.core.proposals import ProposalRows
 from coordinator.core.tree import TokenTree
@@ -29,7 +30,12 @@ def worked_example() -> Calibration:
     return cal
 
 
-def test_the_worked_example():
+@pytest.fixture
+def no_fade(monkeypatch):
+    monkeypatch.setattr(calibration_module, "FADE", 1.0)
+
+
+def test_the_worked_example(no_fade):
     assert EDGES[2] == 0.3 and EDGES[3] == 0.4        # bin 3 is [0.3, 0.4)
     out = worked_example().table().apply(rows([[0.35, 0.2], [0.95, 0.01]]))
     # (19 + 4 * 0.85) / 24 and (1 + 4 * 0.075) / 24, by hand; a bin not seen yet: the pooled rates
@@ -60,7 +66,7 @@ def test_a_row_stays_best_first_and_padding_stays_out():
     assert out.select([1]).bins.tolist() == [1]
 
 
-def test_what_a_verification_teaches():
+def test_what_a_verification_teaches(no_fade):
     cal = Calibration()
     cal.observe(UNKNOWN, 0, 4)             # a node expanded uncalibrated: nothing
     cal.observe(5, 0, 0)                   # no children: nothing
@@ -94,6 +100,26 @@ def test_the_spine_goes_deep_where_the_draft_is_right_more_often_than_it_says():
         cal.observe(4, 0 if i % 100 else 1, 2)      # bin [0.4, 0.5): first child 99%
     assert grow(None) == [1, 1, 2, 2]
     assert grow(cal) == [1, 2, 3, 4]
+
+
+def test_a_bins_counts_fade_with_its_own_verifications_only():
+    """A draft that was right at bin 6 for 1000 verifications and is wrong there from then on: the bin's rate
+    follows (FADE 0.999: after 1000 more it is about 1 / (1 + e)); bin 2, not verified meanwhile, keeps its
+    counts."""
+    cal = Calibration()
+    for _ in range(10):
+        cal.observe(2, 0, 1)
+    for _ in range(1000):
+        cal.observe(6, 0, 1)
+    assert cal.rates()[6, 0] == pytest.approx(1.0)
+    for _ in range(1000):
+        cal.observe(6, -1, 1)
+    # hits (1 - f^1000) / (1 - f) faded by f^1000, seen (1 - f^2000) / (1 - f): f^1000 / (1 + f^1000)
+    f = FADE ** 1000
+    assert cal.rates()[6, 0] == pytest.approx(f / (1 + f))
+    assert f / (1 + f) == pytest.approx(1 / (1 + math.e), rel=0.01)
+    assert cal.seen[2, 0] == pytest.approx(sum(FADE ** k for k in range(10)))
+    assert cal.rates()[2, 0] == pytest.approx(1.0)
 
 
 def test_a_job_rescores_only_the_calibrated_requests():
