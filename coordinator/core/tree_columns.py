@@ -22,7 +22,7 @@ import torch
 
 NO_TOKEN = -1          # target_next not known yet
 NO_ROW = -1            # best_row: no child
-UNKNOWN = -1           # conf: no calibrated expansion (coordinator/core/calibration.py UNKNOWN)
+UNKNOWN = -1           # conf: no calibrated expansion yet (coordinator/core/calibration.py)
 _LAYOUTS = itertools.count(1)   # NodeArrays.layout stamps
 
 
