@@ -133,6 +133,9 @@ def test_match_sampling_is_plain_seeded_sampling_for_every_method(tiny_model8, t
     if method == "specpipe":
         hits = sum(out[r.request_id].stats.spec.hits for r in reqs)
         assert hits > 20, "a draft equal to the target is coupled with it: most proposals are hits"
+        # the tree's calibration (on by default) learns from greedy verifications only: sampled requests keep the
+        # draft's warped scores
+        assert sched.calibration is not None and sched.calibration.seen.sum() == 0
 
 
 def exact_first_two(model_path, prompt: list[int], s: Sampling) -> torch.Tensor:
