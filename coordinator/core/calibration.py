@@ -100,8 +100,9 @@ class Calibration:
             return
         self.hits[conf] *= FADE
         self.seen[conf] *= FADE
-        self.seen[conf, :min(children, RANKS)] += 1
-        if 0 <= rank < RANKS:
+        seen = min(children, RANKS)
+        self.seen[conf, :seen] += 1
+        if 0 <= rank < seen:                    # (a rank beyond the children given is not one of them)
             self.hits[conf, rank] += 1
         self._table = None
 

@@ -73,8 +73,9 @@ def test_what_a_verification_teaches(no_fade):
     assert cal.seen.sum() == 0
     cal.observe(5, -1, 2)                  # neither of two children: both ranks seen, none won
     cal.observe(5, 1, 2)
-    assert cal.seen[5, :3].tolist() == [2, 2, 0] and cal.hits[5, :2].tolist() == [0, 1]
-    assert cal.rates()[5, 1] == 0.5 and math.isnan(cal.rates()[4, 0])
+    cal.observe(5, 3, 2)                   # a rank beyond the two children: seen, not a hit
+    assert cal.seen[5, :3].tolist() == [3, 3, 0] and cal.hits[5, :4].tolist() == [0, 1, 0, 0]
+    assert cal.rates()[5, 1] == pytest.approx(1 / 3) and math.isnan(cal.rates()[4, 0])
     t = cal.table()
     assert cal.table() is t, "the frozen table is made again only after an observation"
     cal.observe(5, 0, RANKS + 4)           # more children than the table keeps
