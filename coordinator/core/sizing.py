@@ -151,8 +151,7 @@ class Sizer:
         # fading counts of the target's rank among the proposals (MAX_RANK: not proposed), from a prior of
         # two observations: one spread over the ranks as 1/2, 1/4, ..., one not proposed
         self.ranks = np.append(0.5 ** np.arange(1, MAX_RANK + 1), 1.0)
-        self.min_topk = CHAIN_TOPK if shared else MIN_TOPK      # rule step 4
-        self.coverage = Coverage(sizing.max_topk, MAX_RANK, self.min_topk)
+        self.coverage = Coverage(sizing.max_topk, MAX_RANK, CHAIN_TOPK if shared else MIN_TOPK)   # rule step 4
         self.cover = sizing.max_topk              # the topk coverage allows, as of the last decision
         self.every = max(EVERY, 4 * num_stages)   # results between decisions: a miss costs S of them
         # what each choice committed per ms, as measured, by load (requests held, in powers of two: a pace
@@ -238,9 +237,10 @@ class Sizer:
         return 1.0 / (1.0 + (1.0 - self.hit(k)) * (self.S - 1))
 
     def topk_for(self, width: int) -> int:
-        """The topk of a choice of this width: pinned, else min(the largest, width, coverage)."""
+        """The topk of a choice of this width: pinned, else min(the largest, max(the smallest, width),
+        coverage)."""
         s = self.sizing
-        return s.max_topk if s.pin_topk else min(s.max_topk, max(self.min_topk, width), self.cover)
+        return s.max_topk if s.pin_topk else min(s.max_topk, max(self.coverage.smallest, width), self.cover)
 
     def measured(self, choice: Choice, requests: int = 1) -> float | None:
         """The choice's measured pace at this load, once it has run long enough: speculating, half a decision

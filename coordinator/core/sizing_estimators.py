@@ -12,15 +12,15 @@ one sample at a time from the scheduler's events, none with a clock of its own.
   (`rate` = tokens / ms, 0 before any time).
 - `Costs`: what a pipeline step costs in one mode (speculating or not): the stage `Line`, the hop and
   control `Ewma`s; `known` once the stage line has a sample and the hop four.
-- `Coverage(largest)`: the ranks the target's token took among the draft's proposals at the roots, and the
-  smallest topk (MIN_TOPK = 2, 4, 8, 16, ...; from CHAIN_TOPK = 1 where stages share the draft's cores) whose first ranks hold COVER of those the largest topk proposes (the rule's
-  step 4). Under a topk below the largest a rank beyond it reads "not proposed": the counts are a survival
-  estimate under that censoring (Kaplan-Meier), so every root counts at any topk, and a topk can come down
-  from 8 to 4 without measuring at 16 again. The topk in use is kept until its coverage is below COVER by
-  HOLD_Z standard errors. What lies beyond the topk in use cannot be seen, so below the largest the roots
-  left unproposed are also checked against what the counts allow (S(topk), and 1 - COVER more): more than
-  that by SHIFT_Z standard deviations of a binomial count is a shift, the counts are forgotten (`add`
-  returns True) and the largest topk measures them again (COVER_SEEN roots).
+- `Coverage(largest, smallest)`: the ranks the target's token took among the draft's proposals at the roots, and the
+  smallest topk (MIN_TOPK = 2, 4, 8, 16, ...; from CHAIN_TOPK = 1 where stages share the draft's cores) whose first
+  ranks hold COVER of those the largest topk proposes (the rule's step 4). Under a topk below the largest a rank
+  beyond it reads "not proposed": the counts are a survival estimate under that censoring (Kaplan-Meier), so every
+  root counts at any topk, and a topk can come down from 8 to 4 without measuring at 16 again. The topk in use is
+  kept until its coverage is below COVER by HOLD_Z standard errors. What lies beyond the topk in use cannot be seen,
+  so below the largest the roots left unproposed are also checked against what the counts allow (S(topk), and 1 -
+  COVER more): more than that by SHIFT_Z standard deviations of a binomial count is a shift, the counts are
+  forgotten (`add` returns True) and the largest topk measures them again (COVER_SEEN roots).
 
 Worked example:
 

@@ -1,5 +1,6 @@
 """The cost rule (coordinator/core/sizing.py): topk from 2 (a chain with one hedge below each node where the
-draft's first guess holds COVER; from 1, a plain chain, where stages share the draft's cores), and a choice's pace measured only once it has settled (`_switch`)."""
+draft's first guess holds COVER; from 1, a plain chain, where stages share the draft's cores), and a choice's
+pace measured only once it has settled (`_switch`)."""
 from __future__ import annotations
 
 import pytest

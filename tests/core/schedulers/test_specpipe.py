@@ -1,5 +1,6 @@
 """`specpipe` greedy output is token-identical to transformers' greedy decoding, for every draft source
-and pipeline depth, ranked by the draft's probabilities or its measured acceptance; stages hold KV only for committed and live nodes; prune order does not matter."""
+and pipeline depth, ranked by the draft's probabilities or its measured acceptance; stages hold KV only for
+committed and live nodes; prune order does not matter."""
 from __future__ import annotations
 
 import pytest
