@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -64,6 +65,18 @@ class Pruned:
 
     def __len__(self) -> int:
         return len(set(self.injected) | set(self.expanded))
+
+
+class Hit(NamedTuple):
+    """One level of a verified path (`TokenTree.match_path`): at `parent`, the target's token was the injected
+    child `child`, the `rank`-th of the parent's `children` in the draft's order, `injected` of which had gone
+    in; `conf` is the parent's calibration bin (coordinator/core/calibration.py)."""
+    child: int
+    token: int
+    rank: int
+    injected: int
+    children: int
+    conf: int
 
 
 class TokenTree(TreeGrowth, TreeSelection):
@@ -168,6 +181,43 @@ class TokenTree(TreeGrowth, TreeSelection):
         """How many children the root has (the draft's proposals there, in rank order)."""
         return int(np.count_nonzero(self.a.parent == self.root)) if self.a.n > 1 else 0
 
+    def match_path(self) -> list[Hit]:
+        """The hits a result allows, from the root down (greedy or `match` verification): while the target's
+        token after a node is known and an injected child carries it, that child, and on from it. Stops at the
+        first node whose target token is unknown, or a miss (which `match_root` then handles). The tree is not
+        changed: `commit_path` commits them in one step.
+
+            root 0: 1:a (injected), 2:b (injected); 1: 3:c (injected); target after 0 = a, after 1 = c, after 3
+            unknown  ->  [Hit(1, a, 0, 2, 2, .), Hit(3, c, 0, 1, 1, .)]
+        """
+        a, out, row = self.a, [], 0
+        while a.n > 1 and (token := int(a.target_next[row])) != NO_TOKEN:
+            mine = (a.parent[row + 1:] == a.id[row]).nonzero()[0] + row + 1    # (children come after parents)
+            injected = a.injected[mine]
+            at = (a.token[mine] == token).nonzero()[0]
+            hit = at[injected[at]]
+            if not len(hit):
+                break
+            out.append(Hit(int(a.id[mine[hit[0]]]), token, int(at[0]), int(np.count_nonzero(injected)), len(mine),
+                           int(a.conf[row])))
+            row = int(mine[hit[0]])
+        return out
+
+    def commit_path(self, child_ids: Sequence[int]) -> Pruned:
+        """Hits down a path (`match_path`'s children, in order): the last becomes the root and keeps its subtree;
+        the others leave the tree committed, as the root does; every other node is pruned. What `commit` of each
+        in turn does, in one step."""
+        if len(child_ids) == 1:
+            return self.commit(child_ids[0])
+        rows, live = self.rows(np.asarray(child_ids, np.int64))
+        if not live.all() or self.a.parent[rows[0]] != self.root or \
+                (self.a.parent[rows[1:]] != self.a.id[rows[:-1]]).any():
+            raise ValueError(f"nodes {list(child_ids)} are not a path down from the root {self.root}")
+        for node_id in child_ids[:-1]:            # (rejection only: the distributions of the path's nodes)
+            self.q.pop(node_id, None)
+            self.target_p.pop(node_id, None)
+        return self._reroot(int(child_ids[-1]), int(rows[-1]), rows[:-1])
+
     def matching_child(self, node_id: int, token: int) -> int | None:
         """The injected child of node_id that carries `token`, if any."""
         a = self.a
@@ -190,10 +240,14 @@ class TokenTree(TreeGrowth, TreeSelection):
             raise ValueError(f"node {child_id} is not an uninjected child of the root {self.root}")
         return self._reroot(child_id)
 
-    def _reroot(self, child_id: int, r: int | None = None) -> Pruned:
+    def _reroot(self, child_id: int, r: int | None = None, committed: np.ndarray | None = None) -> Pruned:
+        """`child_id` (at row r) becomes the root, keeping its subtree; the old root leaves the tree committed,
+        and so do the rows `committed` (the path between them, `commit_path`); every other row is pruned."""
         keep = self._subtree(self.row(child_id) if r is None else r)
         dropped = ~keep
         dropped[0] = False                        # the old root leaves the tree committed, not pruned
+        if committed is not None:
+            dropped[committed] = False
         pruned = self._pruned(dropped)
         self.q.pop(self.root, None)
         self.target_p.pop(self.root, None)

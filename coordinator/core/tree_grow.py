@@ -15,11 +15,15 @@ child (`best_row`: the first best score of its row):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from coordinator.core.proposals import ProposalRows
 from coordinator.core.tree_columns import NO_ROW, UNKNOWN, NodeArrays
+
+if TYPE_CHECKING:
+    from coordinator.core.drafts.chain import ChainGrowth
 
 
 class TreeGrowth:
@@ -109,6 +113,41 @@ class TreeGrowth:
         cell_row = (np.cumsum(valid.ravel()) - 1 + n).reshape(valid.shape)
         a.best_row[prow[got]] = cell_row[np.arange(len(col)), col][got]
         return node_ids.tolist()
+
+    def add_grown(self, grown: ChainGrowth) -> list[int] | None:
+        """A chained job's rounds in one step (coordinator/core/drafts/chain.py `ChainGrowth`, built on the draft's
+        side): what `add_chained` of each round in turn does. A node of the tree the job expanded that a result
+        pruned meanwhile is skipped with its children and everything the rounds made below them. Returns the
+        expanded ids that got their children, or None (nothing changed: then the rounds go in one by one) where
+        a live node it expanded was expanded already or the children's ids are not above every live id.
+
+            expanded [5, 40] (40: a child of 5 made in round 1); 5 pruned by a result meanwhile -> 40 and its
+            children are skipped too -> []
+        """
+        a = self.a
+        old = grown.made_at < 0                            # the tree's nodes (the others: children of a round)
+        prow, live = self.rows(grown.expanded[old])
+        if a.expanded[prow[live]].any() or (len(grown.ids) and int(grown.ids[0]) <= int(a.id[-1])):
+            return None
+        kept = np.ones(len(grown.expanded), bool)          # each expanded node: still in the tree
+        if not live.all():                                 # a made node stays where its parent does, rounds down
+            kept[old] = live
+            made = ~old
+            for _ in range(grown.rounds):
+                kept[made] = kept[grown.parent_at[grown.made_at[made]]]
+        keep = kept[grown.parent_at]                       # [c] the cells that go in
+        n, ids = a.n, grown.ids[keep]
+        a.append(ids, grown.parents[keep], grown.tokens[keep], grown.depths[keep], grown.scores[keep])
+        rows = np.empty(len(grown.expanded), np.int64)
+        rows[old] = prow
+        rows[~old] = n + (np.cumsum(keep) - 1)[grown.made_at[~old]]
+        rows, best = rows[kept], grown.best[kept]
+        a.expanded[rows] = True
+        a.asked[rows] = False
+        a.conf[rows] = grown.bins[kept]
+        has = best >= 0
+        a.best_row[rows[has]] = n + (np.cumsum(keep) - 1)[best[has]]
+        return grown.expanded[kept].tolist()
 
     def add_asked(self, node_ids: Sequence[int], proposals: ProposalRows | Sequence[Sequence[tuple[int, float]]],
                   first: int = 0, asked_at: tuple[int, np.ndarray] | None = None) -> list[int]:

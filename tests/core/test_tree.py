@@ -510,3 +510,84 @@ def test_a_chained_round_adds_children_with_the_drafts_ids_and_skips_nodes_no_lo
     assert t.add_children(2, [(5, -0.1)]) == [4]   # (the counter's next id)
     with pytest.raises(ValueError, match="not above every live id"):
         t.add_chained(np.array([4]), ProposalRows.of([[(6, -0.1)]]), np.array([[4]]))
+
+
+def _columns(t: TokenTree) -> dict[str, list]:
+    a = t.a
+    return {c: getattr(a, c).tolist() for c in ("id", "parent", "token", "depth", "score", "injected", "expanded",
+                                                "asked", "target_next", "best_row", "conf")}
+
+
+def test_match_path_follows_the_hits_down_and_commit_path_commits_them_as_single_commits_would():
+    """`match_path` (the docstring's example): root 0 -> 1:a, 2:b injected; 1 -> 3:c injected, 4:d not; 3 -> 5:e
+    injected. Targets: a after 0, c after 1, nothing known after 3 -> hits 1, 3 (ranks 0, 0; 2 and 1 injected
+    of 2 children each). `commit_path([1, 3])` leaves the tree, and reports the prunes, as commit(1) then
+    commit(3) do."""
+    def grown() -> TokenTree:
+        t = make_tree()
+        t.add_children(0, [(10, -0.1), (11, -0.5)])          # 1:a=10, 2:b=11
+        t.add_children(1, [(12, -0.1), (13, -0.2)])          # 3:c=12, 4:d=13
+        t.add_children(3, [(14, -0.1)])                      # 5:e=14
+        t.add_children(2, [(15, -0.1)])                      # 6 below b
+        for i in (1, 2, 3, 5, 6):
+            t.nodes[i].injected = True
+        t.set_target_next([0, 1], [10, 12])
+        return t
+    t = grown()
+    hits = t.match_path()
+    assert [(h.child, h.token, h.rank, h.injected, h.children) for h in hits] == [(1, 10, 0, 2, 2), (3, 12, 0, 1, 2)]
+    pruned = t.commit_path([1, 3])
+    one = grown()
+    p1, p3 = one.commit(1), one.commit(3)
+    assert _columns(t) == _columns(one) and t.root == one.root == 3
+    assert sorted(pruned.injected) == sorted(p1.injected + p3.injected) == [2, 6]
+    assert sorted(pruned.expanded) == sorted(p1.expanded + p3.expanded) == [2]
+    assert t.match_path() == [], "nothing known after 3"
+    t.set_target_next([3], [99])
+    assert t.match_path() == [], "a miss stops the path (match_root handles it)"
+    with pytest.raises(ValueError, match="not a path"):
+        grown().commit_path([1, 5])
+
+
+def _chain_case(prune_first: bool) -> tuple[TokenTree, TokenTree]:
+    """A tree (root 0 -> 1, 2, 3) and a three-round chain from nodes 1 and 2 with frontier 3, its rounds'
+    proposals drawn at random; applied as one growth and round by round to two copies (`prune_first`: 2 and 3
+    pruned by a commit of 1 before the job is applied)."""
+    from coordinator.core.drafts.chain import Chain
+    from coordinator.core.proposals import ProposalRows
+
+    def tree(prune: bool = prune_first) -> TokenTree:
+        t = make_tree()
+        t.add_children(0, [(10, -0.1), (11, -0.4), (12, -0.9)])     # 1, 2, 3
+        t.a.asked[1:4] = True
+        if prune:
+            t.commit(1)
+        return t
+    a = tree(prune=False).a
+    chain = Chain(3, 2, 2, 100, 50, frozenset(), -1, a.id[1:3], a.depth[1:3], a.score[1:3], -1, a.id[3:4],
+                  a.parent[3:4], a.depth[3:4], a.token[3:4], a.score[3:4], a.injected[3:4])
+    rng = np.random.default_rng(0)
+    # round 1: 2's children (-0.41, -0.42) beat the frontier (-0.9) and 1's (-2.1, -3.1), so rounds 2 and 3
+    # expand what was made below 2
+    nxt = chain.step(ProposalRows.full(np.array([[20, 21], [22, 23]]), np.array([[-2.0, -3.0], [-0.01, -0.02]])))
+    while nxt is not None:
+        m = len(chain.ids)
+        nxt = chain.step(ProposalRows.full(rng.integers(20, 90, (m, 2)), np.sort(-rng.random((m, 2)))[:, ::-1]))
+    assert chain.done[1].node_ids.tolist() == [102, 103], "round 2 below 2"
+    one, by_round = tree(), tree()
+    assert one.add_grown(chain.growth()) is not None
+    for done in chain.done:
+        by_round.add_chained(done.node_ids, done.proposals, done.child_ids)
+    return one, by_round
+
+
+def test_a_chains_rounds_grow_the_tree_in_one_step_as_round_by_round():
+    """`add_grown` (coordinator/core/tree_grow.py) against `add_chained` of each round: the same columns, best
+    children and bins; with a node the job expanded pruned meanwhile, that node's children and what the rounds
+    made below them are skipped by both."""
+    one, by_round = _chain_case(prune_first=False)
+    assert _columns(one) == _columns(by_round) and one.a.n == 4 + 3 * 4, "three rounds of 2 x 2 children"
+    one, by_round = _chain_case(prune_first=True)
+    assert _columns(one) == _columns(by_round)
+    assert one.root == 1 and one.a.n > 1 and set(one.a.parent.tolist()) <= set(one.a.id.tolist()) | {-1}, \
+        "1's rounds went in; nothing hangs below a node not in the tree (2's and 3's)"

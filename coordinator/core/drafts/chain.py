@@ -39,6 +39,7 @@ import numpy as np
 
 from coordinator.core.drafts.base import DraftNodes
 from coordinator.core.proposals import ProposalRows
+from coordinator.core.tree_columns import UNKNOWN
 
 
 @dataclass
@@ -47,6 +48,31 @@ class ChainRound:
     node_ids: np.ndarray        # [m] int64
     proposals: ProposalRows     # [m, k]
     child_ids: np.ndarray       # [m, k] int64
+
+
+@dataclass
+class ChainGrowth:
+    """Every round of a chain as the tree's new rows, made on the draft's side so the coordinator adds them in
+    one step (`TreeGrowth.add_grown`): the children of every valid cell, round after round (ids ascending),
+    and the nodes each round expanded.
+
+        round 1 expands [5] (depth 9, score -0.2), children 40: a (-0.1), 41: b (-2.0); round 2 expands [40],
+        children 42: c (-0.3), 43: d (-0.9)  ->  ids [40, 41, 42, 43], parents [5, 5, 40, 40], depths
+        [10, 10, 11, 11], scores [-0.3, -2.2, -0.6, -1.2], expanded [5, 40], best [0, 2], made_at [-1, 0]
+        (indices into ids), parent_at [0, 0, 1, 1] (into expanded)
+    """
+    first: int                  # the chain's first reserved id: an expanded node below it is the tree's
+    rounds: int                 # the rounds done
+    expanded: np.ndarray        # [e] int64, the nodes the rounds expanded, in order
+    bins: np.ndarray            # [e] int8, their calibration bins (UNKNOWN: the draft's own scores)
+    best: np.ndarray            # [e] int64, the index in `ids` of each one's first best child (-1: none)
+    made_at: np.ndarray         # [e] int64, the index in `ids` of each one made by a round before (-1: the tree's)
+    ids: np.ndarray             # [c] int64, the children, ascending
+    parents: np.ndarray         # [c] int64
+    parent_at: np.ndarray       # [c] int64, the index in `expanded` of each one's parent
+    tokens: np.ndarray          # [c] int64
+    depths: np.ndarray          # [c] int64
+    scores: np.ndarray          # [c] float64, cumulative
 
 
 @dataclass
@@ -74,6 +100,7 @@ class Chain:
     f_injected: np.ndarray
     asked: np.ndarray = field(init=False)    # the tree's frontier as made (its nodes are marked asked)
     done: list[ChainRound] = field(default_factory=list)
+    grown: list[tuple[np.ndarray, ...]] = field(default_factory=list)   # per round, `ChainGrowth`'s columns
 
     def __post_init__(self) -> None:
         self.asked = self.f_ids
@@ -85,10 +112,11 @@ class Chain:
         m, k = proposals.tokens.shape
         child_ids = self.first + (r * self.width + np.arange(m))[:, None] * self.topk + np.arange(k)
         self.done.append(ChainRound(self.ids, proposals, child_ids))
-        if len(self.done) >= self.rounds or not m:
-            return None
         valid = proposals.valid() if not proposals.full else np.ones((m, k), bool)
         scores = self.scores[:, None] + proposals.logps           # [m, k] cumulative
+        self._grow(proposals, valid, scores, child_ids)
+        if len(self.done) >= self.rounds or not m:
+            return None
         depths = np.repeat(self.depths + 1, k)
         tokens, ids = proposals.tokens.ravel(), child_ids.ravel()
         usable = valid.ravel() & (depths < self.max_depth)
@@ -125,3 +153,26 @@ class Chain:
         self.tip = int(np.flatnonzero(rows == tip)[0]) if tip >= 0 else -1
         return DraftNodes([], self.ids.tolist(), c_parents[rows].tolist(), self.depths.tolist(),
                           c_tokens[rows].tolist())
+
+    def _grow(self, proposals: ProposalRows, valid: np.ndarray, scores: np.ndarray, child_ids: np.ndarray) -> None:
+        """The round's part of `growth`: what `TreeGrowth.add_chained` would append for it."""
+        cells = sum(len(g[3]) for g in self.grown)               # children of the rounds before
+        nodes = sum(len(g[0]) for g in self.grown)               # nodes they expanded
+        which = np.nonzero(valid)                                # row-major: id order
+        col = np.where(valid, scores, -np.inf).argmax(axis=1)    # the first best of each row
+        cell = (np.cumsum(valid.ravel()) - 1 + cells).reshape(valid.shape)
+        best = np.where(valid.any(axis=1), cell[np.arange(len(col)), col], -1)
+        bins = proposals.bins if proposals.bins is not None else np.full(len(self.ids), UNKNOWN, np.int8)
+        self.grown.append((self.ids, bins, best, child_ids[which], self.ids[which[0]], which[0] + nodes,
+                           proposals.tokens[which], self.depths[which[0]] + 1, scores[which]))
+
+    def growth(self) -> ChainGrowth:
+        """The rounds done, as the tree's new rows in one piece (`ChainGrowth`)."""
+        kinds = (np.int64, np.int8, np.int64, np.int64, np.int64, np.int64, np.int64, np.int64, float)
+        expanded, bins, best, ids, parents, parent_at, tokens, depths, scores = \
+            [np.concatenate(c) for c in zip(*self.grown)] if self.grown else [np.zeros(0, t) for t in kinds]
+        made = expanded >= self.first
+        made_at = np.full(len(expanded), -1, np.int64)
+        made_at[made] = np.searchsorted(ids, expanded[made])
+        return ChainGrowth(self.first, len(self.grown), expanded, bins, best, made_at, ids, parents, parent_at,
+                           tokens, depths, scores)

@@ -36,7 +36,7 @@ from common.sampling import Sampling
 
 from coordinator.core.calibration import CalibrationTable
 from coordinator.core.drafts.base import DraftNode, DraftSource, Proposals
-from coordinator.core.drafts.chain import Chain, ChainRound
+from coordinator.core.drafts.chain import Chain, ChainGrowth, ChainRound
 from coordinator.core.proposals import ProposalRows
 
 
@@ -187,9 +187,12 @@ class DraftJob:
                     out.q.setdefault(request_id, {}).update(
                         {n.node_id: draft.take_q(request_id, n.node_id) for n in nodes})
         out.rounds = rounds
+        started = time.perf_counter()
         for request_id, chain in self.chains.items():
             if request_id not in out.errors and chain.done:
                 out.chained[request_id] = chain.done
+                out.grown[request_id] = chain.growth()
+        out.select_ms += (time.perf_counter() - started) * 1e3
 
 
 @dataclass
@@ -204,3 +207,5 @@ class DraftResults:
     rounds: int = 1                  # the model calls of the expansion (chained rounds)
     cut: bool = False                # the chains stopped early (`DraftJob.cut`): their other rounds are due
     select_ms: float = 0.0           # the chains' choice of their next nodes (Python on the draft's thread)
+    grown: dict[str, ChainGrowth] = field(default_factory=dict)   # request -> its chained rounds as the tree's
+    # new rows, in one piece (`TreeGrowth.add_grown`)

@@ -39,7 +39,7 @@ from coordinator.core.schedulers.specpipe_draft import DraftBeside
 from coordinator.core.sizing import Sizer
 from coordinator.core.stats import SpecCounters
 from coordinator.core.status import FinishReason
-from coordinator.core.tree import TokenTree
+from coordinator.core.tree import Hit, TokenTree
 from coordinator.core.vocabulary import TREE_POLICIES, VERIFIERS, TreePolicy, Verifier
 from coordinator.core.verify import verify_children
 
@@ -284,6 +284,10 @@ class SpecPipeScheduler(DraftBeside, BatchingScheduler):
             if rejection and tree.target_p.get(tree.root) is not None:
                 child, token = self._decide(state, tree)
                 rank = tree.root_rank(token)
+            elif not rejection and (hits := tree.match_path()):     # every hit down the tree, in one step
+                if not self._hits(state, tree, hits):
+                    return False
+                continue
             else:
                 child, *rank = tree.match_root(target)
                 token = target
@@ -332,6 +336,28 @@ class SpecPipeScheduler(DraftBeside, BatchingScheduler):
             if child is None:
                 break             # the new root has no target token yet
         return True
+
+    def _hits(self, state: RequestState, tree: TokenTree, hits: list[Hit]) -> bool:
+        """Commit the hits of `match_path` at once (what `_verify` does for each: the calibration and the cost
+        rule see every level, the tree reroots once, the draft and the stages get one commit with every prune).
+        Returns False when the request finished."""
+        request_id = state.request.request_id
+        plain = request_id in self.plain      # (its tree in flight still commits)
+        if not plain:
+            calibrate = self.calibration is not None and state.request.sampling.greedy
+            for h in hits:
+                if calibrate:
+                    self.calibration.observe(h.conf, h.rank, h.children)
+                if self.sizer is not None:
+                    self.sizer.observe_root(h.rank, h.injected)
+        state.spec.hits += len(hits)
+        nodes, tokens = [h.child for h in hits], [h.token for h in hits]
+        pruned = tree.commit_path(nodes)
+        if not plain or request_id in self.begun:
+            if pruned.expanded:
+                self.draft_ops.append(DraftOp(OpKind.PRUNE, request_id, tuple(pruned.expanded)))
+            self.draft_ops.append(DraftOp(OpKind.COMMIT, request_id, tuple(nodes), tuple(tokens)))
+        return self._commit(state, nodes, tokens, prune=pruned.injected)
 
     def _in_frontier(self, request_id: str, node_id: int) -> bool:
         """The node is asked as the frontier of the chained job out (coordinator/core/drafts/chain.py), which may

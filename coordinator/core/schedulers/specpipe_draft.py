@@ -214,15 +214,18 @@ class DraftBeside:
                 tree.q[node_id] = results.q[request_id].get(node_id)
 
     def _apply_chain(self, request_id: str, chain: Chain, results: DraftResults) -> None:
-        """A chained job's rounds become children, round by round. The nodes the draft made and computed whose
-        parent left the tree meanwhile (a commit then a restart there: the committed parent is not pruned, and
-        the tree never had them) are pruned in the draft (ids from the job's block: never committed)."""
+        """A chained job's rounds become children, in one step (`add_grown`; round by round where it cannot). The
+        nodes the draft made and computed whose parent left the tree meanwhile (a commit then a restart there:
+        the committed parent is not pruned, and the tree never had them) are pruned in the draft (ids from the
+        job's block: never committed)."""
         tree = self.trees[request_id]
         rounds = results.chained.get(request_id, ())
-        for done in rounds:
-            keep = tree.add_chained(done.node_ids, done.proposals, done.child_ids)
-            for node_id in keep if request_id in results.q else ():
-                tree.q[node_id] = results.q[request_id].get(node_id)
+        grown = results.grown.get(request_id)
+        keep = tree.add_grown(grown) if grown is not None else None     # every round in one step
+        if keep is None:
+            keep = [i for done in rounds for i in tree.add_chained(done.node_ids, done.proposals, done.child_ids)]
+        for node_id in keep if request_id in results.q else ():
+            tree.q[node_id] = results.q[request_id].get(node_id)
         made = np.concatenate([done.node_ids for done in rounds[1:]] or [np.zeros(0, np.int64)])
         made = made[made >= chain.first]
         gone = made[~tree.rows(made)[1]] if len(made) else made
