@@ -114,40 +114,53 @@ class TreeGrowth:
         a.best_row[prow[got]] = cell_row[np.arange(len(col)), col][got]
         return node_ids.tolist()
 
-    def add_grown(self, grown: ChainGrowth) -> list[int] | None:
+    def add_grown(self, grown: ChainGrowth) -> tuple[list[int], np.ndarray] | None:
         """A chained job's rounds in one step (coordinator/core/drafts/chain.py `ChainGrowth`, built on the draft's
         side): what `add_chained` of each round in turn does. A node of the tree the job expanded that a result
-        pruned meanwhile is skipped with its children and everything the rounds made below them. Returns the
-        expanded ids that got their children, or None (nothing changed: then the rounds go in one by one) where
-        a live node it expanded was expanded already or the children's ids are not above every live id.
+        pruned meanwhile is skipped with its children and everything the rounds made below them. Returns (the
+        expanded ids that got their children, the ids the rounds made and expanded that the tree did not get),
+        or None (nothing changed: then the rounds go in one by one) where a live node it expanded was expanded
+        already or the children's ids are not above every live id.
 
             expanded [5, 40] (40: a child of 5 made in round 1); 5 pruned by a result meanwhile -> 40 and its
-            children are skipped too -> []
+            children are skipped too -> ([], [40])
         """
         a = self.a
         old = grown.made_at < 0                            # the tree's nodes (the others: children of a round)
         prow, live = self.rows(grown.expanded[old])
         if a.expanded[prow[live]].any() or (len(grown.ids) and int(grown.ids[0]) <= int(a.id[-1])):
             return None
+        n, made = a.n, ~old
+        if live.all():                                     # (the common case: every cell goes in as it is)
+            a.append(grown.ids, grown.parents, grown.tokens, grown.depths, grown.scores)
+            rows = np.empty(len(grown.expanded), np.int64)
+            rows[old] = prow
+            rows[made] = n + grown.made_at[made]
+            self._grown(rows, grown.bins, grown.best, n)
+            return grown.expanded.tolist(), grown.expanded[:0]
         kept = np.ones(len(grown.expanded), bool)          # each expanded node: still in the tree
-        if not live.all():                                 # a made node stays where its parent does, rounds down
-            kept[old] = live
-            made = ~old
-            for _ in range(grown.rounds):
-                kept[made] = kept[grown.parent_at[grown.made_at[made]]]
+        kept[old] = live
+        for _ in range(grown.rounds):                      # a made node stays where its parent does, rounds down
+            kept[made] = kept[grown.parent_at[grown.made_at[made]]]
         keep = kept[grown.parent_at]                       # [c] the cells that go in
-        n, ids = a.n, grown.ids[keep]
-        a.append(ids, grown.parents[keep], grown.tokens[keep], grown.depths[keep], grown.scores[keep])
+        at = np.cumsum(keep) - 1                           # [c] a kept cell's index among them
+        a.append(grown.ids[keep], grown.parents[keep], grown.tokens[keep], grown.depths[keep], grown.scores[keep])
         rows = np.empty(len(grown.expanded), np.int64)
         rows[old] = prow
-        rows[~old] = n + (np.cumsum(keep) - 1)[grown.made_at[~old]]
-        rows, best = rows[kept], grown.best[kept]
+        rows[made] = n + at[grown.made_at[made]]
+        best = grown.best[kept]
+        self._grown(rows[kept], grown.bins[kept], np.where(best >= 0, at[best], -1), n)
+        return grown.expanded[kept].tolist(), grown.expanded[made & ~kept]
+
+    def _grown(self, rows: np.ndarray, bins: np.ndarray, best: np.ndarray, n: int) -> None:
+        """Rows just expanded by `add_grown`: their calibration bins, and their best children (`best`: an index
+        among the children appended from row n; -1: none)."""
+        a = self.a
         a.expanded[rows] = True
         a.asked[rows] = False
-        a.conf[rows] = grown.bins[kept]
+        a.conf[rows] = bins
         has = best >= 0
-        a.best_row[rows[has]] = n + (np.cumsum(keep) - 1)[best[has]]
-        return grown.expanded[kept].tolist()
+        a.best_row[rows[has]] = n + best[has]
 
     def add_asked(self, node_ids: Sequence[int], proposals: ProposalRows | Sequence[Sequence[tuple[int, float]]],
                   first: int = 0, asked_at: tuple[int, np.ndarray] | None = None) -> list[int]:

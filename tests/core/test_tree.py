@@ -573,9 +573,12 @@ def _chain_case(prune_first: bool) -> tuple[TokenTree, TokenTree]:
     while nxt is not None:
         m = len(chain.ids)
         nxt = chain.step(ProposalRows.full(rng.integers(20, 90, (m, 2)), np.sort(-rng.random((m, 2)))[:, ::-1]))
-    assert chain.done[1].node_ids.tolist() == [102, 103], "round 2 below 2"
+    assert chain.done[1].node_ids.tolist() == [102, 103] and chain.done[2].node_ids.tolist() == [104, 105], \
+        "rounds 2 and 3 below 2 (104, 105: 102's children)"
     one, by_round = tree(), tree()
-    assert one.add_grown(chain.growth()) is not None
+    kept, gone = one.add_grown(chain.growth())
+    assert kept == ([1] if prune_first else [1, 2, 102, 103, 104, 105]) and \
+        gone.tolist() == ([102, 103, 104, 105] if prune_first else []), "2 pruned: what the rounds made below it"
     for done in chain.done:
         by_round.add_chained(done.node_ids, done.proposals, done.child_ids)
     return one, by_round

@@ -221,14 +221,16 @@ class DraftBeside:
         tree = self.trees[request_id]
         rounds = results.chained.get(request_id, ())
         grown = results.grown.get(request_id)
-        keep = tree.add_grown(grown) if grown is not None else None     # every round in one step
-        if keep is None:
+        added = tree.add_grown(grown) if grown is not None else None     # every round in one step
+        if added is not None:
+            keep, gone = added
+        else:
             keep = [i for done in rounds for i in tree.add_chained(done.node_ids, done.proposals, done.child_ids)]
+            made = np.concatenate([done.node_ids for done in rounds[1:]] or [np.zeros(0, np.int64)])
+            made = made[made >= chain.first]
+            gone = made[~tree.rows(made)[1]] if len(made) else made
         for node_id in keep if request_id in results.q else ():
             tree.q[node_id] = results.q[request_id].get(node_id)
-        made = np.concatenate([done.node_ids for done in rounds[1:]] or [np.zeros(0, np.int64)])
-        made = made[made >= chain.first]
-        gone = made[~tree.rows(made)[1]] if len(made) else made
         if len(gone):
             self.draft_ops.append(DraftOp(OpKind.PRUNE, request_id, tuple(gone.tolist())))
 
