@@ -129,18 +129,21 @@ class RequestKV:
 
     def commit(self, ids: list[int]) -> None:
         self.table.commit(ids)
-        for node_id in ids:
+        for node_id in ids:                        # (a few nodes a commit: element writes)
             slot = self.slot_of.get(node_id)
             if slot is not None:
                 self.committed[slot] = True
 
-    def prune(self, ids: list[int]) -> int:
-        freed = self.table.prune(ids)
-        for node_id in freed:
-            slot = self.slot_of.pop(node_id)
-            self.slot_position[slot] = -1
-            self.free.append(slot)
+    def prune(self, ids: list[int], doomed: list[int] | None = None) -> int:
+        freed = self.table.prune(ids, doomed)
+        slots = [self.slot_of.pop(node_id) for node_id in freed]
+        if slots:                                  # one write (on a GPU one kernel), not one per node
+            self.slot_position[self._index(slots)] = -1
+            self.free.extend(slots)
         return len(freed)
+
+    def _index(self, slots: list[int]) -> torch.Tensor:
+        return torch.tensor(slots, dtype=torch.int64, device=self.slot_position.device)
 
     # -- attention ----------------------------------------------------------------------------------
     def attention_mask(self, node_ids: list[int]) -> torch.Tensor:

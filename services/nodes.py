@@ -177,28 +177,34 @@ class NodeTable:
         return -1, path
 
     # -- control plane ------------------------------------------------------------------------------
-    def check_control(self, commit: list[int], prune: list[int]) -> None:
-        """Raise ProtocolError if commit(commit) then prune(prune) would fail; changes nothing."""
+    def check_control(self, commit: list[int], prune: list[int]) -> list[int]:
+        """Raise ProtocolError if commit(commit) then prune(prune) would fail; changes nothing. Returns the ids
+        the prune tombstones (`prune(prune, doomed=)` after the commit: what the commit makes dead by its
+        watermark is not held, and burying it again is a no-op)."""
         self._check_commit(commit)
-        self._doomed(prune, committing={i for i in commit if i in self.nodes})
+        return self._doomed(prune, committing={i for i in commit if i in self.nodes})
 
     def commit(self, ids: list[int]) -> None:
         """Mark nodes committed (remembered until their row arrives when not held yet). All or nothing:
         raises ProtocolError, changing nothing, for a negative id or a pruned node."""
         self._check_commit(ids)
+        watermark = self.watermark
         for node_id in ids:
             node = self.nodes.get(node_id)
             if node is None:
                 self.pending_commit.add(node_id)
                 continue
             node.committed = True
-            self._committed(node_id, node.position)
+            self._committed(node_id, node.position, forget=False)
+        if self.watermark != watermark:                 # (once for the whole commit, not per node)
+            self._forget_below()
 
-    def prune(self, ids: list[int]) -> list[int]:
+    def prune(self, ids: list[int], doomed: list[int] | None = None) -> list[int]:
         """Kill nodes and their held subtrees; return the held node ids that were freed. All or nothing:
-        raises ProtocolError, changing nothing, for a negative id or when a committed node would die."""
+        raises ProtocolError, changing nothing, for a negative id or when a committed node would die.
+        `doomed`: what `check_control` returned for these ids (not found again)."""
         freed: list[int] = []
-        for node_id in self._doomed(ids):
+        for node_id in self._doomed(ids) if doomed is None else doomed:
             self.pending_commit.discard(node_id)
             node = self.nodes.pop(node_id, None)
             self._bury(node_id)
@@ -242,15 +248,20 @@ class NodeTable:
         if node_id >= self.watermark or node_id in self.pending_commit:
             self.listed.add(node_id)
 
-    def _committed(self, node_id: int, position: int) -> None:
-        """A held node is now committed; when it is the new tip, raise the watermark to its id and forget
-        the listed tombstones that the watermark now implies."""
+    def _committed(self, node_id: int, position: int, forget: bool = True) -> None:
+        """A held node is now committed; when it is the new tip, raise the watermark to its id and (`forget`)
+        forget the listed tombstones that the watermark now implies."""
         if position <= self.tip_position:
             return
         self.tip_position = position
         if node_id > self.watermark:
             self.watermark = node_id
-            self.listed = {i for i in self.listed if i >= node_id or i in self.pending_commit}
+            if forget:
+                self._forget_below()
+
+    def _forget_below(self) -> None:
+        """Drop the listed tombstones the watermark implies (below it and not expected)."""
+        self.listed = {i for i in self.listed if i >= self.watermark or i in self.pending_commit}
 
     # -- queries ------------------------------------------------------------------------------------
     def _anchor_position(self, parent_id: int) -> int:

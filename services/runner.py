@@ -51,11 +51,11 @@ class StageRunner:
         kv = self.cache.get(msg.request_id, create=True)
         if kv is None:
             return   # already released: late control messages are harmless
-        kv.table.check_control(msg.commit, msg.prune)      # all or nothing
+        doomed = kv.table.check_control(msg.commit, msg.prune)      # all or nothing
         if msg.commit:
             kv.commit(msg.commit)
         if msg.prune:
-            kv.prune(msg.prune)
+            kv.prune(msg.prune, doomed)
 
     # -- data plane ---------------------------------------------------------------------------------
     @torch.no_grad()

@@ -23,7 +23,7 @@ OK, DROP = Admit.OK, Admit.DROP
 class Unbounded(NodeTable):
     """Reference: the watermark never moves, so every tombstone stays listed."""
 
-    def _committed(self, node_id: int, position: int) -> None:
+    def _committed(self, node_id: int, position: int, forget: bool = True) -> None:
         self.tip_position = max(self.tip_position, position)
 
 
