@@ -38,8 +38,9 @@ class ProposalRows(Sequence):
         return cls(tokens, logps, np.asarray([len(r) for r in rows], np.int64))
 
     @classmethod
-    def full(cls, tokens: np.ndarray, logps: np.ndarray) -> "ProposalRows":
-        """Every column of every row is a proposal, no row repeating a token (a top-k)."""
+    def topk(cls, tokens: np.ndarray, logps: np.ndarray) -> "ProposalRows":
+        """Every column of every row is a proposal, no row repeating a token (a top-k): `full`. (Not named
+        `full`: a method of the field's name would be the field's default, true for every other row.)"""
         return cls(tokens.astype(np.int64, copy=False), logps.astype(np.float64, copy=False),
                    np.full(tokens.shape[0], tokens.shape[1], np.int64), distinct=True, full=True)
 

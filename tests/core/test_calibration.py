@@ -19,7 +19,7 @@ from helpers.ids import id_counter
 def rows(probs: list[list[float]], first_token: int = 10) -> ProposalRows:
     p = np.asarray(probs, float)
     tokens = first_token + np.arange(p.size).reshape(p.shape)
-    return ProposalRows.full(tokens, np.log(p))
+    return ProposalRows.topk(tokens, np.log(p))
 
 
 def worked_example() -> Calibration:

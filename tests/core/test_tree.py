@@ -79,7 +79,7 @@ def test_add_asked_adds_a_top_k_for_asked_nodes_and_drops_the_rows_of_pruned_one
     assert t.add_children(0, [(7, -0.5), (8, -1.0)]) == [1, 2]
     t.ask(np.array([1, 2]), root_parent=-1)
     assert t.nodes[1].asked and t.nodes[2].asked
-    top = ProposalRows.full(np.array([[3, 4], [5, 6]]), np.array([[-0.1, -0.2], [-0.3, -0.4]]))
+    top = ProposalRows.topk(np.array([[3, 4], [5, 6]]), np.array([[-0.1, -0.2], [-0.3, -0.4]]))
     assert t.add_asked([1, 2], top) == [1, 2]
     assert t.nodes[1].children == [3, 4] and t.nodes[2].children == [5, 6]
     assert t.nodes[1].expanded and not t.nodes[1].asked
@@ -90,13 +90,13 @@ def test_add_asked_adds_a_top_k_for_asked_nodes_and_drops_the_rows_of_pruned_one
     t.ask(np.array([t.row(3), t.row(4), t.row(5)]), root_parent=-1)
     t.a.injected[t.row(2)] = True
     t.commit(2)
-    rows = ProposalRows.full(np.array([[9, 8], [1, 2], [3, 4], [5, 6]]), np.zeros((4, 2)))
+    rows = ProposalRows.topk(np.array([[9, 8], [1, 2], [3, 4], [5, 6]]), np.zeros((4, 2)))
     assert t.add_asked([3, 4, 5], rows, first=1) == [5]
     assert t.nodes[5].children == [7, 8] and [t.nodes[i].token for i in (7, 8)] == [5, 6]
     # a node expanded before it was asked keeps its children once
     t.mark_asked([5])
     assert not t.nodes[5].asked
-    assert t.add_asked([5], ProposalRows.full(np.array([[5, 1]]), np.array([[-0.5, -0.6]]))) == [5]
+    assert t.add_asked([5], ProposalRows.topk(np.array([[5, 1]]), np.array([[-0.5, -0.6]]))) == [5]
     assert [t.nodes[i].token for i in t.nodes[5].children] == [5, 6, 1]
 
 
@@ -113,7 +113,7 @@ def test_add_asked_uses_the_rows_of_the_ask_only_while_no_row_has_moved():
     at = (t.a.layout, rows)
     t.add_children(0, [(9, -2.0)])                          # rows appended at the end: none moves
     assert t.a.layout == at[0]
-    top = ProposalRows.full(np.array([[3, 4], [5, 6]]), np.array([[-0.1, -0.2], [-0.3, -0.4]]))
+    top = ProposalRows.topk(np.array([[3, 4], [5, 6]]), np.array([[-0.1, -0.2], [-0.3, -0.4]]))
     assert t.add_asked([1, 2], top, asked_at=at) == [1, 2]
     assert t.nodes[1].children == [4, 5] and t.nodes[2].children == [6, 7]
     assert [t.nodes[i].token for i in (4, 5, 6, 7)] == [3, 4, 5, 6]
@@ -125,7 +125,7 @@ def test_add_asked_uses_the_rows_of_the_ask_only_while_no_row_has_moved():
     t.a.injected[t.row(2)] = True
     t.commit(2)
     assert t.a.layout != at[0] and t.row(6) != rows[1]
-    assert t.add_asked([4, 6], ProposalRows.full(np.array([[1, 2], [3, 4]]), np.zeros((2, 2))), asked_at=at) == [6]
+    assert t.add_asked([4, 6], ProposalRows.topk(np.array([[1, 2], [3, 4]]), np.zeros((2, 2))), asked_at=at) == [6]
     assert [t.nodes[i].token for i in t.nodes[6].children] == [3, 4]
     assert make_tree().a.layout not in (t.a.layout, at[0])
 
@@ -549,10 +549,10 @@ def test_match_path_follows_the_hits_down_and_commit_path_commits_them_as_single
         grown().commit_path([1, 5])
 
 
-def _chain_case(prune_first: bool) -> tuple[TokenTree, TokenTree]:
+def _chain_case(prune_first: bool, full: bool = True) -> tuple[TokenTree, TokenTree]:
     """A tree (root 0 -> 1, 2, 3) and a three-round chain from nodes 1 and 2 with frontier 3, its rounds'
-    proposals drawn at random; applied as one growth and round by round to two copies (`prune_first`: 2 and 3
-    pruned by a commit of 1 before the job is applied)."""
+    proposals drawn at random (`full` False: rows of one or two children); applied as one growth and round by
+    round to two copies (`prune_first`: 2 and 3 pruned by a commit of 1 before the job is applied)."""
     from coordinator.core.drafts.chain import Chain
     from coordinator.core.proposals import ProposalRows
 
@@ -569,16 +569,21 @@ def _chain_case(prune_first: bool) -> tuple[TokenTree, TokenTree]:
     rng = np.random.default_rng(0)
     # round 1: 2's children (-0.41, -0.42) beat the frontier (-0.9) and 1's (-2.1, -3.1), so rounds 2 and 3
     # expand what was made below 2
-    nxt = chain.step(ProposalRows.full(np.array([[20, 21], [22, 23]]), np.array([[-2.0, -3.0], [-0.01, -0.02]])))
+    nxt = chain.step(ProposalRows.topk(np.array([[20, 21], [22, 23]]), np.array([[-2.0, -3.0], [-0.01, -0.02]])))
     while nxt is not None:
         m = len(chain.ids)
-        nxt = chain.step(ProposalRows.full(rng.integers(20, 90, (m, 2)), np.sort(-rng.random((m, 2)))[:, ::-1]))
+        rows = ProposalRows.topk(rng.integers(20, 90, (m, 2)), np.sort(-rng.random((m, 2)))[:, ::-1])
+        if not full:                              # the second child of every other row is padding
+            rows = ProposalRows(rows.tokens, rows.logps, np.array([2 - i % 2 for i in range(m)]), distinct=True)
+            rows.logps[1::2, 1] = -np.inf
+        nxt = chain.step(rows)
     assert chain.done[1].node_ids.tolist() == [102, 103] and chain.done[2].node_ids.tolist() == [104, 105], \
         "rounds 2 and 3 below 2 (104, 105: 102's children)"
     one, by_round = tree(), tree()
     kept, gone = one.add_grown(chain.growth())
-    assert kept == ([1] if prune_first else [1, 2, 102, 103, 104, 105]) and \
-        gone.tolist() == ([102, 103, 104, 105] if prune_first else []), "2 pruned: what the rounds made below it"
+    if full:
+        assert kept == ([1] if prune_first else [1, 2, 102, 103, 104, 105]) and \
+            gone.tolist() == ([102, 103, 104, 105] if prune_first else []), "2 pruned: what the rounds made below it"
     for done in chain.done:
         by_round.add_chained(done.node_ids, done.proposals, done.child_ids)
     return one, by_round
@@ -594,3 +599,15 @@ def test_a_chains_rounds_grow_the_tree_in_one_step_as_round_by_round():
     assert _columns(one) == _columns(by_round)
     assert one.root == 1 and one.a.n > 1 and set(one.a.parent.tolist()) <= set(one.a.id.tolist()) | {-1}, \
         "1's rounds went in; nothing hangs below a node not in the tree (2's and 3's)"
+    for prune_first in (False, True):             # rows shorter than topk (sampling, n-gram merges): padding
+        one, by_round = _chain_case(prune_first, full=False)
+        assert _columns(one) == _columns(by_round) and one.a.n < (4 if not prune_first else 1) + 3 * 4
+
+
+def test_only_a_top_k_says_every_cell_is_a_proposal():
+    """`ProposalRows.full` (the hot paths skip the validity mask on it) is True for `topk` rows only: rows made by
+    hand or with padding must say False (it once defaulted to a method of the same name, which is truthy)."""
+    from coordinator.core.proposals import ProposalRows
+    assert ProposalRows.topk(np.array([[1, 2]]), np.array([[-0.1, -0.2]])).full is True
+    assert ProposalRows.of([[(1, -0.1)], []]).full is False
+    assert ProposalRows(np.zeros((1, 2), np.int64), np.zeros((1, 2)), np.array([1])).full is False

@@ -101,6 +101,7 @@ class Chain:
     asked: np.ndarray = field(init=False)    # the tree's frontier as made (its nodes are marked asked)
     done: list[ChainRound] = field(default_factory=list)
     grown: list[tuple[np.ndarray, ...]] = field(default_factory=list)   # per round, `ChainGrowth`'s columns
+    _sizes: tuple[int, int] = (0, 0)         # children and expanded nodes in `grown`
 
     def __post_init__(self) -> None:
         self.asked = self.f_ids
@@ -156,15 +157,23 @@ class Chain:
 
     def _grow(self, proposals: ProposalRows, valid: np.ndarray, scores: np.ndarray, child_ids: np.ndarray) -> None:
         """The round's part of `growth`: what `TreeGrowth.add_chained` would append for it."""
-        cells = sum(len(g[3]) for g in self.grown)               # children of the rounds before
-        nodes = sum(len(g[0]) for g in self.grown)               # nodes they expanded
+        m, k = child_ids.shape
+        cells, nodes = self._sizes                               # children and nodes of the rounds before
+        bins = proposals.bins if proposals.bins is not None else np.full(m, UNKNOWN, np.int8)
+        if proposals.full:                                       # (a top-k: every cell a child, row-major)
+            best = np.arange(cells, cells + m * k, k) + scores.argmax(axis=1)      # the first best of each row
+            self.grown.append((self.ids, bins, best, child_ids.ravel(), np.repeat(self.ids, k),
+                               np.repeat(np.arange(nodes, nodes + m), k), proposals.tokens.ravel(),
+                               np.repeat(self.depths + 1, k), scores.ravel()))
+            self._sizes = (cells + m * k, nodes + m)
+            return
         which = np.nonzero(valid)                                # row-major: id order
         col = np.where(valid, scores, -np.inf).argmax(axis=1)    # the first best of each row
         cell = (np.cumsum(valid.ravel()) - 1 + cells).reshape(valid.shape)
-        best = np.where(valid.any(axis=1), cell[np.arange(len(col)), col], -1)
-        bins = proposals.bins if proposals.bins is not None else np.full(len(self.ids), UNKNOWN, np.int8)
+        best = np.where(valid.any(axis=1), cell[np.arange(m), col], -1)
         self.grown.append((self.ids, bins, best, child_ids[which], self.ids[which[0]], which[0] + nodes,
                            proposals.tokens[which], self.depths[which[0]] + 1, scores[which]))
+        self._sizes = (cells + len(which[0]), nodes + m)
 
     def growth(self) -> ChainGrowth:
         """The rounds done, as the tree's new rows in one piece (`ChainGrowth`)."""

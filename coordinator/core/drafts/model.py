@@ -152,7 +152,7 @@ class ModelDraft(DraftSource):
         k = min(k, logprobs.shape[-1])
         if sampling.greedy:
             top = logprobs.topk(k, dim=-1)
-            return ProposalRows.full(top.indices.cpu().numpy(), top.values.double().cpu().numpy()), logprobs
+            return ProposalRows.topk(top.indices.cpu().numpy(), top.values.double().cpu().numpy()), logprobs
         q = warp(logprobs, sampling)
         positions = [p + 1 for p in seg.positions]
         keys = q + gumbel(sampling.seed, positions, q.shape[-1], q.device, salt=1 if keep_q else 0)

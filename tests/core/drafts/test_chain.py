@@ -22,7 +22,7 @@ def chain(rounds: int = 2, width: int = 2, topk: int = 2, frontier=(), tip: int 
 
 
 def rows(*cells) -> ProposalRows:
-    return ProposalRows.full(np.array([[t for t, _ in r] for r in cells], I64), np.array([[s for _, s in r] for r in cells]))
+    return ProposalRows.topk(np.array([[t for t, _ in r] for r in cells], I64), np.array([[s for _, s in r] for r in cells]))
 
 
 def test_the_next_round_is_the_best_children_and_frontier_by_score_with_ids_from_the_block():
