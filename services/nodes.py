@@ -204,14 +204,16 @@ class NodeTable:
         raises ProtocolError, changing nothing, for a negative id or when a committed node would die.
         `doomed`: what `check_control` returned for these ids (not found again)."""
         freed: list[int] = []
+        nodes, pending = self.nodes, self.pending_commit
         for node_id in self._doomed(ids) if doomed is None else doomed:
-            self.pending_commit.discard(node_id)
-            node = self.nodes.pop(node_id, None)
-            self._bury(node_id)
+            pending.discard(node_id)
+            node = nodes.pop(node_id, None)
+            if node_id >= self.watermark:             # (`_bury`, no longer expected: listed unless implied)
+                self.listed.add(node_id)
             if node is None:
                 continue
             freed.append(node_id)
-            parent = self.nodes.get(node.parent)
+            parent = nodes.get(node.parent)
             if parent is not None:
                 parent.children.remove(node_id)
         return freed
@@ -224,17 +226,22 @@ class NodeTable:
 
     def _doomed(self, ids: list[int], committing: set[int] | frozenset[int] = frozenset()) -> list[int]:
         """The ids prune(ids) tombstones — the named nodes and their held descendants not yet tombstoned —
-        parents before children; raises ProtocolError when one of them is committed (or in `committing`)."""
+        parents before children; raises ProtocolError when one of them is committed (or in `committing`).
+        (`is_dead` and `_check_id` spelled out: this runs once per node of every prune.)"""
         doomed: list[int] = []
         seen: set[int] = set()
         stack = list(ids)
+        nodes, listed, pending, watermark = self.nodes, self.listed, self.pending_commit, self.watermark
         while stack:
             node_id = stack.pop()
-            _check_id(node_id)
-            if node_id in seen or self.is_dead(node_id):
+            if node_id < 0:
+                _check_id(node_id)
+            if node_id in seen:
                 continue
+            node = nodes.get(node_id)
+            if node is None and (node_id in listed or (node_id < watermark and node_id not in pending)):
+                continue                                  # dead already
             seen.add(node_id)
-            node = self.nodes.get(node_id)
             if node is not None:
                 if node.committed or node_id in committing:
                     raise ProtocolError(f"cannot prune committed node {node_id}")
