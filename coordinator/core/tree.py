@@ -68,9 +68,9 @@ class Pruned:
 
 
 class Hit(NamedTuple):
-    """One level of a verified path (`TokenTree.match_path`): at `parent`, the target's token was the injected
-    child `child`, the `rank`-th of the parent's `children` in the draft's order, `injected` of which had gone
-    in; `conf` is the parent's calibration bin (coordinator/core/calibration.py)."""
+    """One level of a verified path (`TokenTree.match_path`): at the node above it, the target's token was the
+    injected child `child`, the `rank`-th of that node's `children` in the draft's order, `injected` of which
+    had gone in; `conf` is that node's calibration bin (coordinator/core/calibration.py)."""
     child: int
     token: int
     rank: int
