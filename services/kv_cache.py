@@ -138,12 +138,9 @@ class RequestKV:
         freed = self.table.prune(ids, doomed)
         slots = [self.slot_of.pop(node_id) for node_id in freed]
         if slots:                                  # one write (on a GPU one kernel), not one per node
-            self.slot_position[self._index(slots)] = -1
+            self.slot_position[torch.tensor(slots, dtype=torch.int64, device=self.slot_position.device)] = -1
             self.free.extend(slots)
         return len(freed)
-
-    def _index(self, slots: list[int]) -> torch.Tensor:
-        return torch.tensor(slots, dtype=torch.int64, device=self.slot_position.device)
 
     # -- attention ----------------------------------------------------------------------------------
     def attention_mask(self, node_ids: list[int]) -> torch.Tensor:

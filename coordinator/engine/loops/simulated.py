@@ -26,12 +26,12 @@ Model (all in milliseconds):
 `steps` records, per pipeline step (one result handled and the calls up to the next), the control time and
 the modelled draft time charged.
 
-Control time measured in line is that of a coordinator that was doing something else for milliseconds before
-each call: here the stage and the draft compute on the same CPU between the scheduler's calls. Such a call is 2-3x
-slower than the same call back to back, and not because of the model's weights alone: measured on this 2-core
-VM (width 32, 2026-12-07, an ad-hoc replay of a recorded run), a call took 0.20 ms back to back, 0.46 after a
-40 MB memory sweep, 0.43 after 10 ms of a Python busy loop that touches almost no memory, 0.72 after 10 ms of
-sleep, and 0.53 in line — also with the model's compute moved to a thread pinned to the other core (tried, not
+Control time measured in line is that of a coordinator that was doing something else for milliseconds before each
+call: here the stage and the draft compute on the same CPU between the scheduler's calls. Such a call is 2-3x
+slower than the same call back to back, and not because of the model's weights alone: measured on this 2-core VM
+(width 32, 2026-12-07, an ad-hoc replay of a recorded run), a `draft_next` call took 0.20 ms back to back, 0.46
+after a 40 MB memory sweep, 0.43 after 10 ms of a Python busy loop that touches almost no memory, 0.72 after 10 ms
+of sleep, and 0.53 in line — also with the model's compute moved to a thread pinned to the other core (tried, not
 kept: no change). A coordinator that waits for its next event on a GPU host meets the same (idle cores, caches and
 predictors cold), so the in-line time is the figure charged, and the warm one is reported beside it: with
 `record` the loop keeps every scheduler call and its inputs, and `replay(twin)` runs the same calls on a copy of
