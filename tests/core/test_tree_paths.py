@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator.core.drafts.chain import Chain
+from coordinator.core.drafts.chain import Chain, candidates
 from coordinator.core.proposals import ProposalRows
 from coordinator.core.tree import TokenTree
 from helpers.ids import make_tree
@@ -81,8 +81,8 @@ def _chain_case(prune_first: bool, full: bool = True) -> tuple[TokenTree, TokenT
             t.commit(1)
         return t
     a = tree(prune=False).a
-    chain = Chain(3, 2, 2, 100, 50, frozenset(), -1, a.id[1:3], a.depth[1:3], a.score[1:3], -1, a.id[3:4],
-                  a.parent[3:4], a.depth[3:4], a.token[3:4], a.score[3:4], a.injected[3:4])
+    chain = Chain(3, 2, 2, 100, 50, frozenset(), -1, a.id[1:3], a.depth[1:3], a.score[1:3], -1,
+                  candidates(a.id[3:4], a.parent[3:4], a.depth[3:4], a.token[3:4], a.score[3:4], a.injected[3:4]))
     rng = np.random.default_rng(0)
     # round 1: 2's children (-0.41, -0.42) beat the frontier (-0.9) and 1's (-2.1, -3.1), so rounds 2 and 3
     # expand what was made below 2

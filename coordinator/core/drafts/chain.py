@@ -75,6 +75,21 @@ class ChainGrowth:
     scores: np.ndarray          # [c] float64, cumulative
 
 
+# The candidates of a round's choice (the children just proposed, then the frontier) as the rows of one float64
+# matrix [6, n], so that joining, ranking and taking them are one numpy call each: ids, tokens and depths are exact
+# in a float64 (below 2 ** 53). The first four rows are the rank's keys, least significant first (np.lexsort):
+# (-score, not injected, depth, id).
+ID, DEPTH, FRESH, NEG, PARENT, TOKEN = range(6)
+
+
+def candidates(ids: np.ndarray, parents: np.ndarray, depths: np.ndarray, tokens: np.ndarray, scores: np.ndarray,
+               injected: np.ndarray) -> np.ndarray:
+    """Nodes as candidate columns: [6, n] float64 (rows ID, DEPTH, FRESH, NEG, PARENT, TOKEN)."""
+    c = np.empty((6, len(ids)))
+    c[ID], c[DEPTH], c[FRESH], c[NEG], c[PARENT], c[TOKEN] = ids, depths, ~injected, -scores, parents, tokens
+    return c
+
+
 @dataclass
 class Chain:
     """A request's chained rounds, the first included, the later ones chosen by the draft (module docstring).
@@ -87,24 +102,22 @@ class Chain:
     skip: frozenset[int]        # tokens with no children (EOS)
     tip_limit: int              # the spine's tip is taken first while its depth is below this (-1: no spine)
     # the round being computed: [m] each
-    ids: np.ndarray
-    depths: np.ndarray
-    scores: np.ndarray
+    ids: np.ndarray             # int64
+    depths: np.ndarray          # int64
+    scores: np.ndarray          # float64, cumulative
     tip: int                    # index in the round of the spine's tip (-1: none)
-    # the frontier, in rank order: [f] each
-    f_ids: np.ndarray
-    f_parents: np.ndarray
-    f_depths: np.ndarray
-    f_tokens: np.ndarray
-    f_scores: np.ndarray
-    f_injected: np.ndarray
-    asked: np.ndarray = field(init=False)    # the tree's frontier as made (its nodes are marked asked)
+    frontier: np.ndarray        # [6, f] float64, `candidates`: the next-best nodes, in rank order
+    asked: np.ndarray = field(init=False)    # [f0] int64, the tree's frontier as made (its nodes are marked asked)
     done: list[ChainRound] = field(default_factory=list)
     grown: list[tuple[np.ndarray, ...]] = field(default_factory=list)   # per round, `ChainGrowth`'s columns
     _sizes: tuple[int, int] = (0, 0)         # children and expanded nodes in `grown`
 
     def __post_init__(self) -> None:
-        self.asked = self.f_ids
+        self.asked = self.frontier[ID].astype(np.int64)
+
+    @property
+    def frontier_ids(self) -> np.ndarray:
+        return self.frontier[ID].astype(np.int64)
 
     def step(self, proposals: ProposalRows) -> DraftNodes | None:
         """The round just computed proposed these children (one row per node of the round, as given): record
@@ -113,58 +126,56 @@ class Chain:
         m, k = proposals.tokens.shape
         child_ids = self.first + (r * self.width + np.arange(m))[:, None] * self.topk + np.arange(k)
         self.done.append(ChainRound(self.ids, proposals, child_ids))
-        valid = proposals.valid() if not proposals.full else np.ones((m, k), bool)
+        full = proposals.full
+        valid = None if full else proposals.valid()
         scores = self.scores[:, None] + proposals.logps           # [m, k] cumulative
-        self._grow(proposals, valid, scores, child_ids)
+        parents, depths = np.repeat(self.ids, k), np.repeat(self.depths + 1, k)      # [m * k] each
+        self._grow(proposals, valid, scores, child_ids, parents, depths)
         if len(self.done) >= self.rounds or not m:
             return None
-        depths = np.repeat(self.depths + 1, k)
-        tokens, ids = proposals.tokens.ravel(), child_ids.ravel()
-        usable = valid.ravel() & (depths < self.max_depth)
+        cells = np.empty((6, m * k))                              # the children as candidates
+        cells[ID], cells[DEPTH], cells[FRESH] = child_ids.ravel(), depths, 1.0
+        cells[NEG], cells[PARENT], cells[TOKEN] = -scores.ravel(), parents, proposals.tokens.ravel()
+        usable = cells[DEPTH] < self.max_depth
+        if not full:
+            usable &= valid.ravel()
         for token in self.skip:
-            usable &= tokens != token
+            usable &= cells[TOKEN] != token
         tip = -1                                                  # the spine goes on through the tip's best child
-        if self.tip >= 0 and valid[self.tip].any():
-            c = self.tip * k + int(np.where(valid[self.tip], scores[self.tip], -np.inf).argmax())
-            if usable[c] and depths[c] < self.tip_limit:
+        if self.tip >= 0:
+            row = scores[self.tip] if full else np.where(valid[self.tip], scores[self.tip], -np.inf)
+            c = self.tip * k + int(row.argmax())
+            if usable[c] and cells[DEPTH, c] < self.tip_limit:
                 tip = c
-        parents = np.repeat(self.ids, k)
-        # candidates: the children, then the frontier; keys (-score, not injected, depth, id)
-        c_ids = np.concatenate((ids, self.f_ids))
-        c_parents = np.concatenate((parents, self.f_parents))
-        c_depths = np.concatenate((depths, self.f_depths))
-        c_tokens = np.concatenate((tokens, self.f_tokens))
-        c_scores = np.concatenate((scores.ravel(), self.f_scores))
-        c_injected = np.concatenate((np.zeros(m * k, bool), self.f_injected))
-        pool = np.concatenate((usable, np.ones(len(self.f_ids), bool)))
-        if tip >= 0:
-            pool[tip] = False
-        ranked = pool.nonzero()[0]
-        ranked = ranked[np.lexsort((c_ids[ranked], c_depths[ranked], ~c_injected[ranked], -c_scores[ranked]))]
+                usable[c] = False
+        pool = np.concatenate((cells, self.frontier), axis=1)
+        ranked = np.concatenate((usable.nonzero()[0], np.arange(m * k, pool.shape[1])))
+        ranked = ranked[np.lexsort(pool[:NEG + 1, ranked])]       # (-score, not injected, depth, id)
         take = self.width - (tip >= 0)
         rows = np.concatenate(([tip], ranked[:take])) if tip >= 0 else ranked[:take]
         if not len(rows):
             return None
-        rows = rows[np.lexsort((c_ids[rows], c_depths[rows]))]     # parents first
+        rows = rows[np.lexsort(pool[:DEPTH + 1, rows])]             # parents first: (depth, id)
         # the rest, in rank order, is the frontier of the rounds after the next (as many as they can take)
-        rest = ranked[take:take + (self.rounds - len(self.done) - 1) * self.width]
-        self.f_ids, self.f_parents, self.f_depths = c_ids[rest], c_parents[rest], c_depths[rest]
-        self.f_tokens, self.f_scores, self.f_injected = c_tokens[rest], c_scores[rest], c_injected[rest]
-        self.ids, self.depths, self.scores = c_ids[rows], c_depths[rows], c_scores[rows]
+        self.frontier = pool[:, ranked[take:take + (self.rounds - len(self.done) - 1) * self.width]]
+        chosen = pool[:, rows]
+        ids, depths, parents, tokens = chosen[[ID, DEPTH, PARENT, TOKEN]].astype(np.int64)
+        self.ids, self.depths, self.scores = ids, depths, -chosen[NEG]
         self.tip = int(np.flatnonzero(rows == tip)[0]) if tip >= 0 else -1
-        return DraftNodes([], self.ids.tolist(), c_parents[rows].tolist(), self.depths.tolist(),
-                          c_tokens[rows].tolist())
+        return DraftNodes([], ids.tolist(), parents.tolist(), depths.tolist(), tokens.tolist())
 
-    def _grow(self, proposals: ProposalRows, valid: np.ndarray, scores: np.ndarray, child_ids: np.ndarray) -> None:
-        """The round's part of `growth`: what `TreeGrowth.add_chained` would append for it."""
+    def _grow(self, proposals: ProposalRows, valid: np.ndarray | None, scores: np.ndarray, child_ids: np.ndarray,
+              parents: np.ndarray, depths: np.ndarray) -> None:
+        """The round's part of `growth`: what `TreeGrowth.add_chained` would append for it. `valid` is None for a
+        top-k (every cell a proposal); `parents`, `depths`: every cell's, row-major."""
         m, k = child_ids.shape
         cells, nodes = self._sizes                               # children and nodes of the rounds before
         bins = proposals.bins if proposals.bins is not None else np.full(m, UNKNOWN, np.int8)
         if proposals.full:                                       # (a top-k: every cell a child, row-major)
             best = np.arange(cells, cells + m * k, k) + scores.argmax(axis=1)      # the first best of each row
-            self.grown.append((self.ids, bins, best, child_ids.ravel(), np.repeat(self.ids, k),
-                               np.repeat(np.arange(nodes, nodes + m), k), proposals.tokens.ravel(),
-                               np.repeat(self.depths + 1, k), scores.ravel()))
+            self.grown.append((self.ids, bins, best, child_ids.ravel(), parents,
+                               np.repeat(np.arange(nodes, nodes + m), k), proposals.tokens.ravel(), depths,
+                               scores.ravel()))
             self._sizes = (cells + m * k, nodes + m)
             return
         which = np.nonzero(valid)                                # row-major: id order

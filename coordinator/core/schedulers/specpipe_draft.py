@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from coordinator.core.drafts.base import DraftNode, DraftNodes
-from coordinator.core.drafts.chain import Chain
+from coordinator.core.drafts.chain import Chain, candidates
 from coordinator.core.drafts.job import DraftJob, DraftOp, DraftResults, OpKind
 from coordinator.core.schedulers.base import RequestState
 from coordinator.core.status import FinishReason, Status
@@ -135,8 +135,9 @@ class DraftBeside:
         tip = int(np.flatnonzero(rows == ranked[0])[0]) if tipped else -1
         job.chains[request_id] = Chain(
             rounds, width, self.topk, state.new_node(rounds * width * self.topk), limit, state.request.eos_ids,
-            int(a.depth[0]) + lead, a.id[rows], a.depth[rows], a.score[rows], tip, a.id[frontier],
-            a.parent[frontier], a.depth[frontier], a.token[frontier], a.score[frontier], a.injected[frontier])
+            int(a.depth[0]) + lead, a.id[rows], a.depth[rows], a.score[rows], tip,
+            candidates(a.id[frontier], a.parent[frontier], a.depth[frontier], a.token[frontier], a.score[frontier],
+                       a.injected[frontier]))
 
     def _ask(self, job: DraftJob, request_id: str, nodes: list[int], parents: list[int], positions: list[int],
              tokens: list[int]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from coordinator.core.drafts.chain import Chain
+from coordinator.core.drafts.chain import Chain, candidates
 from coordinator.core.proposals import ProposalRows
 
 I64 = np.int64
@@ -16,9 +16,10 @@ def chain(rounds: int = 2, width: int = 2, topk: int = 2, frontier=(), tip: int 
     injected) at depth 5, parent 1, token 90 + i; reserved ids from 100."""
     f = list(frontier)
     return Chain(rounds, width, topk, 100, max_depth, skip, tip_limit, np.array([10, 11], I64),
-                 np.array([5, 5], I64), np.array([-0.1, -0.5]), tip, np.array([x[0] for x in f], I64),
-                 np.ones(len(f), I64), np.full(len(f), 5, I64), np.array([90 + i for i in range(len(f))], I64),
-                 np.array([x[1] for x in f], float), np.array([x[2] for x in f], bool))
+                 np.array([5, 5], I64), np.array([-0.1, -0.5]), tip,
+                 candidates(np.array([x[0] for x in f], I64), np.ones(len(f), I64), np.full(len(f), 5, I64),
+                            np.array([90 + i for i in range(len(f))], I64), np.array([x[1] for x in f], float),
+                            np.array([x[2] for x in f], bool)))
 
 
 def rows(*cells) -> ProposalRows:
@@ -33,7 +34,7 @@ def test_the_next_round_is_the_best_children_and_frontier_by_score_with_ids_from
     assert [tuple(n) for n in nxt] == [(100, 10, 6, 1), (102, 11, 6, 3)]     # (id, parent, position, token)
     assert c.done[0].child_ids.tolist() == [[100, 101], [102, 103]]
     np.testing.assert_allclose(c.scores, [-0.3, -0.6])
-    assert c.f_ids.tolist() == [], "no round after the next: nothing is carried"
+    assert c.frontier_ids.tolist() == [], "no round after the next: nothing is carried"
     assert c.step(rows([(5, -0.1), (6, -0.2)], [(7, -0.1), (8, -0.2)])) is None, "two rounds: done"
     assert c.done[1].node_ids.tolist() == [100, 102]
     assert c.done[1].child_ids.tolist() == [[104, 105], [106, 107]], "round 2's block: first + (1 * 2 + i) * 2"
@@ -44,7 +45,7 @@ def test_a_frontier_node_scoring_higher_than_the_children_is_taken_and_ties_go_t
     nxt = c.step(rows([(1, -0.2), (2, -2.0)], [(3, -0.1), (4, -3.0)]))     # x ties with 51 (injected)
     assert sorted(n.node_id for n in nxt) == [50, 51], "-0.25 first; at -0.3 the injected frontier node wins"
     assert [n.node_id for n in nxt] == [50, 51]
-    assert c.f_ids.tolist() == [100, 102], "x and z, not taken, are the last round's frontier (width 2)"
+    assert c.frontier_ids.tolist() == [100, 102], "x and z, not taken, are the last round's frontier (width 2)"
     assert c.asked.tolist() == [50, 51], "the tree's frontier as made"
     assert [n.parent_id for n in nxt] == [1, 1] and [n.position for n in nxt] == [5, 5]
 
