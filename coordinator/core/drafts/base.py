@@ -148,5 +148,14 @@ class DraftSource(ABC):
     def prune(self, request_id: str, node_ids: list[int]) -> None:
         pass
 
+    def control(self, request_id: str, commit: list[int], tokens: list[int], prune: list[int]) -> None:
+        """A request's commits, then its prunes, as one message (a job's queued bookkeeping, coalesced:
+        `DraftJob`); a source with a KV table checks and applies it at once, as a stage does a control
+        message. Here: `commit`, then `prune`."""
+        if commit:
+            self.commit(request_id, commit, tokens)
+        if prune:
+            self.prune(request_id, prune)
+
     def release(self, request_id: str) -> None:
         pass

@@ -128,6 +128,11 @@ class CombinedDraft(DraftSource):
         if request_id in self.merged:
             self.ngram.prune(request_id, node_ids)
 
+    def control(self, request_id: str, commit: list[int], tokens: list[int], prune: list[int]) -> None:
+        self.model.control(request_id, commit, tokens, prune)
+        if request_id in self.merged:
+            self.ngram.control(request_id, commit, tokens, prune)
+
     def release(self, request_id: str) -> None:
         self.ngram.release(request_id)           # plain dicts first: the model's KV release may raise
         self.merged.discard(request_id)

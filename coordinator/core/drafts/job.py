@@ -105,18 +105,7 @@ class DraftJob:
                 errors = [e] * len(self.begin)
             out.errors.update({request_id: e for (request_id, *_), e in zip(self.begin, errors) if e is not None})
         started = time.perf_counter()
-        for op in self.ops:
-            if op.request_id in out.errors and op.kind is not OpKind.RELEASE:   # a release always runs: the
-                continue                                       # request has ended, nothing else frees its state
-            try:
-                if op.kind is OpKind.COMMIT:
-                    draft.commit(op.request_id, list(op.node_ids), list(op.tokens))
-                elif op.kind is OpKind.PRUNE:
-                    draft.prune(op.request_id, list(op.node_ids))
-                else:
-                    draft.release(op.request_id)
-            except Exception as e:           # a request's bookkeeping failing is that request's failure
-                out.errors[op.request_id] = e
+        self._bookkeeping(draft, out)
         out.bookkeeping_ms = (time.perf_counter() - started) * 1e3
         expand = [(request_id, nodes) for request_id, nodes in self.expand if request_id not in out.errors]
         if expand:
@@ -135,6 +124,44 @@ class DraftJob:
                 yield from self._chain(draft, out, {request_id: len(nodes) for request_id, nodes in expand})
         out.compute_ms = (draft.compute_s - before) * 1e3
         return out
+
+    def _bookkeeping(self, draft: DraftSource, out: "DraftResults") -> None:
+        """The ops in order, each request's commits and prunes coalesced into one `DraftSource.control` (its
+        commits, then its prunes: one check and one pass over the KV table, as a stage takes a control
+        message). Reordering them is safe: the tree commits only live nodes and prunes only uncommitted ones,
+        so no op of a job undoes another's. A release flushes the request's ops before it and always runs (the
+        request has ended, nothing else frees its state); a request that failed (its prefill, an op) gets no
+        more ops. A failure is the request's own.
+
+            [COMMIT a (4,), PRUNE a (7, 9), COMMIT a (5,), RELEASE b]  ->  b released, then a: control(commit
+            [4, 5], prune [7, 9])
+        """
+        pending: dict[str, tuple[list[int], list[int], list[int]]] = {}   # request -> commit, tokens, prune
+
+        def flush(request_id: str) -> None:
+            got = pending.pop(request_id, None)
+            if got is not None and request_id not in out.errors:
+                try:
+                    draft.control(request_id, *got)
+                except Exception as e:
+                    out.errors[request_id] = e
+
+        for op in self.ops:
+            if op.kind is OpKind.RELEASE:
+                flush(op.request_id)
+                try:
+                    draft.release(op.request_id)
+                except Exception as e:
+                    out.errors[op.request_id] = e
+                continue
+            commit, tokens, prune = pending.setdefault(op.request_id, ([], [], []))
+            if op.kind is OpKind.COMMIT:
+                commit += op.node_ids
+                tokens += op.tokens
+            else:
+                prune += op.node_ids
+        for request_id in list(pending):
+            flush(request_id)
 
     def _scored(self, request_id: str, got: Proposals) -> Proposals:
         """A request's proposals as the tree scores them: calibrated (`calibration`) or as the draft gave them."""

@@ -202,10 +202,14 @@ class ModelDraft(DraftSource):
         return out
 
     def commit(self, request_id: str, node_ids: list[int], tokens: list[int]) -> None:
-        self.runner.apply(Control(request_id, commit=node_ids))
+        self.control(request_id, node_ids, tokens, [])
 
     def prune(self, request_id: str, node_ids: list[int]) -> None:
-        self.runner.apply(Control(request_id, prune=node_ids))
+        self.control(request_id, [], [], node_ids)
+
+    def control(self, request_id: str, commit: list[int], tokens: list[int], prune: list[int]) -> None:
+        """One check and one pass over the KV table (`StageRunner.apply`): all or nothing."""
+        self.runner.apply(Control(request_id, commit=commit, prune=prune))
 
     def release(self, request_id: str) -> None:
         """Forget the request: its sampling state and kept q first (plain dicts: they cannot fail), then its

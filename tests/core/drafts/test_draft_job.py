@@ -10,7 +10,7 @@ from coordinator.core.drafts.model import ModelDraft, quantized_copy
 
 
 class FailingCommit(ModelDraft):
-    def commit(self, request_id, node_ids, tokens):
+    def control(self, request_id, commit, tokens, prune):
         raise RuntimeError("the draft's KV table is broken (simulated)")
 
 
@@ -57,3 +57,46 @@ def test_draft_nodes_reads_as_the_list_of_head_then_columns():
     assert nodes == expected and list(nodes) == expected and nodes[-1] == DraftNode(8, 3, 4, 41)
     assert nodes[1:] == expected[1:] and [n.node_id for n in nodes] == [3, 7, 8]
     assert nodes != expected[:2] and DraftNodes([], [7], [3], [4], [40]) == DraftNodes([], [7], [3], [4], [40])
+
+
+class Counting(ModelDraft):
+    def __init__(self, *a, **k) -> None:
+        super().__init__(*a, **k)
+        self.controls: list[tuple[str, list[int], list[int]]] = []
+
+    def control(self, request_id, commit, tokens, prune):
+        self.controls.append((request_id, list(commit), list(prune)))
+        super().control(request_id, commit, tokens, prune)
+
+
+def test_a_jobs_commits_and_prunes_go_in_one_control_per_request_and_leave_the_table_as_op_by_op(tiny_model):
+    """Two results' bookkeeping for a (commit 3 and prune 11's subtree, then commit 10 and prune 12) and b's
+    release go as b's release and one control for a (commits [3, 10], prunes [11, 12]); a's KV table ends as
+    the same ops applied one by one leave it."""
+    model = quantized_copy(str(tiny_model))
+    drafts = [Counting(model), Counting(model)]
+    for d in drafts:
+        d.begin_many([("a", [5, 6, 7, 8], Sampling(), False), ("b", [9, 10, 11], Sampling(), False)])
+        d.expand("a", [DraftNode(3, 2, 3, 8)], 2)
+        d.expand("a", [DraftNode(10, 3, 4, 20), DraftNode(11, 3, 4, 21), DraftNode(12, 3, 4, 22)], 2)
+        d.expand("a", [DraftNode(13, 11, 5, 23), DraftNode(14, 10, 5, 24)], 2)
+    ops = [DraftOp(OpKind.COMMIT, "a", (3,), (8,)), DraftOp(OpKind.PRUNE, "a", (11,)),
+           DraftOp(OpKind.RELEASE, "b"), DraftOp(OpKind.COMMIT, "a", (10,), (20,)), DraftOp(OpKind.PRUNE, "a", (12,))]
+    results = DraftJob(ops=list(ops)).run(drafts[0])
+    assert not results.errors
+    assert drafts[0].controls == [("a", [3, 10], [11, 12])], "b's release flushed nothing of a's; one control"
+    for op in ops:                                  # the same ops, one by one
+        if op.kind is OpKind.COMMIT:
+            drafts[1].commit(op.request_id, list(op.node_ids), list(op.tokens))
+        elif op.kind is OpKind.PRUNE:
+            drafts[1].prune(op.request_id, list(op.node_ids))
+        else:
+            drafts[1].release(op.request_id)
+    coalesced, single = (d.runner.cache.get("a", create=False) for d in drafts)
+    assert set(coalesced.table.nodes) == set(single.table.nodes) == {0, 1, 2, 3, 10, 14}
+    assert {i: n.committed for i, n in coalesced.table.nodes.items()} == \
+        {i: n.committed for i, n in single.table.nodes.items()}
+    assert coalesced.table.watermark == single.table.watermark == 10
+    assert sorted(coalesced.free) == sorted(single.free) and len(coalesced.free) == 3, "11, 12, 13's slots freed"
+    assert 13 in coalesced.table.tombstones and 13 in single.table.tombstones
+    assert not drafts[0].runner.cache.get("b", create=False) and not drafts[1].runner.cache.get("b", create=False)
