@@ -37,6 +37,12 @@ class Why(str, enum.Enum):
     FASTER = "faster"                      # steps 2 and 3
     COVERAGE = "topk by coverage"          # step 4
 
+    @property
+    def label(self) -> str:
+        """The one spelling logs and metrics use: draft_bound, grow, try_none, faster, coverage (the value is
+        the sentence a log line carries beside it)."""
+        return self.name.lower()
+
 
 @dataclass(frozen=True)
 class Switch:

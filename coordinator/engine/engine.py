@@ -341,8 +341,12 @@ class Engine(EngineLifecycle):
                                 batch_id=batch.batch_id, fault=sched.last_fault)
             except Exception as e:     # the scheduler failed on this result: its requests' fault
                 self._fail_requests(sched, [s.request_id for s in batch.segments], e)
-            with contextlib.suppress(Exception):    # a log line must not stop this scheduler's results
-                log_switches(sched.name, switches or ())
+            if switches:
+                try:                   # a log line must not stop this scheduler's results
+                    log_switches(sched.name, switches)
+                except Exception as e:
+                    with contextlib.suppress(Exception):
+                        log.warning("cost rule switches not logged", method=sched.name, error=repr(e))
 
     def _finish(self, action: Finish) -> None:
         done = self._requests.finish(action, time.perf_counter())

@@ -36,7 +36,8 @@ def on_result_switches(sched: Scheduler, batch: MicroBatch) -> list[Switch]:
 def log_switches(method: str, switches: Iterable[Switch]) -> None:
     """Log and count these switches (a few per pipeline and load: INFO).
 
-        {"method": "specpipe", "why": "trying none", "before": "width 1 x 1 rounds, topk 4", "after": "none",
+        {"method": "specpipe", "why": "try_none", "reason": "trying none", "before": "width 1 x 1 rounds, topk 4",
+         "after": "none",
          "before_pace": "51.2 ms/token (measured)", "after_pace": "54.2 ms/token (modelled)", ...}
     """
     def named(c: Choice) -> str:
@@ -45,7 +46,7 @@ def log_switches(method: str, switches: Iterable[Switch]) -> None:
     def pace(ms: float | None, measured: bool) -> str:
         return "unknown" if ms is None else f"{ms:.1f} ms/token ({'measured' if measured else 'modelled'})"
     for s in switches:
-        SWITCHES.labels(method, s.why.name.lower()).inc()
-        log.info("cost rule switched", method=method, why=s.why.value, before=named(s.before),
+        SWITCHES.labels(method, s.why.label).inc()
+        log.info("cost rule switched", method=method, why=s.why.label, reason=s.why.value, before=named(s.before),
                  after=named(s.after), before_pace=pace(s.before_ms, s.before_measured),
                  after_pace=pace(s.after_ms, s.after_measured))

@@ -53,12 +53,13 @@ def test_each_switch_is_logged_with_its_paces_and_counted_by_why():
     before = {w: _count(w) for w in ("draft_bound", "grow", "try_none", "faster")}
     with capture_logs() as logs:
         log_switches("test-rule", switches)
-    assert [(e["event"], e["why"], e["before"], e["after"], e["before_pace"], e["after_pace"]) for e in logs] == [
-        ("cost rule switched", "draft-bound start", "width 32 x 3 rounds, topk 16", "width 1 x 1 rounds, topk 4",
-         "unknown", "unknown"),
-        ("cost rule switched", "measuring a longer chain", "width 1 x 1 rounds, topk 4", "width 2 x 2 rounds, topk 2",
-         "45.1 ms/token (measured)", "unknown"),
-        ("cost rule switched", "trying none", "width 1 x 1 rounds, topk 4", "none",
+    assert [(e["event"], e["why"], e["reason"], e["before"], e["after"], e["before_pace"], e["after_pace"])
+            for e in logs] == [
+        ("cost rule switched", "draft_bound", "draft-bound start", "width 32 x 3 rounds, topk 16",
+         "width 1 x 1 rounds, topk 4", "unknown", "unknown"),
+        ("cost rule switched", "grow", "measuring a longer chain", "width 1 x 1 rounds, topk 4",
+         "width 2 x 2 rounds, topk 2", "45.1 ms/token (measured)", "unknown"),
+        ("cost rule switched", "try_none", "trying none", "width 1 x 1 rounds, topk 4", "none",
          "51.2 ms/token (measured)", "54.2 ms/token (modelled)")]
     assert all(e["log_level"] == "info" and e["method"] == "test-rule" for e in logs)
     assert {w: _count(w) - before[w] for w in before} == {"draft_bound": 1.0, "grow": 1.0, "try_none": 1.0,

@@ -21,8 +21,8 @@ pytestmark = pytest.mark.grpc
 
 def _switches() -> dict[str, float]:
     """specpipe_cost_rule_switches_total{method="specpipe"} by why."""
-    return {w.name.lower(): REGISTRY.get_sample_value("specpipe_cost_rule_switches_total",
-                                                      {"method": "specpipe", "why": w.name.lower()}) or 0.0
+    return {w.label: REGISTRY.get_sample_value("specpipe_cost_rule_switches_total",
+                                                      {"method": "specpipe", "why": w.label}) or 0.0
             for w in Why}
 
 
@@ -39,9 +39,9 @@ async def test_the_warm_up_ends_once_the_rule_has_decided_and_leaves_nothing(tin
         # depends on the machine's pace: the draft-bound start is left here, then none is tried or not)
         switched = [e for e in logs if e["event"] == "cost rule switched"]
         assert 1 <= sizer.switched <= sizer.switches.maxlen and len(switched) == sizer.switched
-        assert [e["why"] for e in switched] == [s.why.value for s in sizer.switches]
+        assert [e["why"] for e in switched] == [s.why.label for s in sizer.switches]
         assert all(e["method"] == "specpipe" for e in switched)
-        made = Counter(s.why.name.lower() for s in sizer.switches)
+        made = Counter(s.why.label for s in sizer.switches)
         assert {w: n - before[w] for w, n in _switches().items()} == {w: float(made[w]) for w in before}
         assert coord.engine.active == 0
         await wait_until_empty(served.stages, coord)
@@ -73,3 +73,21 @@ async def test_a_warm_up_with_settings_warms_the_scheduler_requests_with_them_ge
         assert coord.engine.scheduler("specpipe", replace(coord.engine.spec, width=8)).sizer.decided
         assert not coord.engine.scheduler("specpipe").sizer.decided
         await wait_until_empty(served.stages, coord)
+
+
+async def test_a_switch_that_cannot_be_logged_is_warned_of_and_the_results_go_on(tiny_model, monkeypatch):
+    """The rule's switches are logged beside the scheduler's results: a failure to log them is a warning (once per
+    result that switched), never a stopped pipeline."""
+    import coordinator.engine.engine as engine_module
+
+    def broken(method, switches):
+        raise OSError("log sink full (simulated)")
+    monkeypatch.setattr(engine_module, "log_switches", broken)
+    async with served_coordinator(str(tiny_model), 2, stage_time_ms="5", max_new_tokens_cap=400) as served:
+        with capture_logs() as logs:
+            assert await served.coord.warm_up(400) > 0
+        sizer = served.coord.engine.scheduler("specpipe").sizer
+        warned = [e for e in logs if e["event"] == "cost rule switches not logged"]
+        assert sizer.settled and 1 <= len(warned) <= sizer.switched
+        assert all(e["log_level"] == "warning" and "log sink full" in e["error"] for e in warned)
+        assert not [e for e in logs if e["event"] == "cost rule switched"]
