@@ -89,6 +89,8 @@ class RequestStats:
     control_ms: float = stat("ms", True)          # the coordinator's own time, shared by the requests running
     sized_width: int | None = stat("rows", False, None)   # the cost rule's last width (0: no speculation)
     sized_topk: int | None = stat("children", False, None)   # ... and its topk (0: no speculation)
+    sized_calibration: float | None = stat("ratio", False, None)   # ... and its measured pace over its modelled
+    # one (`Sizer.calibration`; None: the rule had not decided)
     spec: SpecCounters | None = None
     stages: dict[int, StageCounters] = field(default_factory=dict)
     # the engine's and the front end's, on the wall clock

@@ -86,7 +86,8 @@ class LiveRequest:
         """The scheduler's stats of the last attempt, plus the earlier attempts and what the engine timed."""
         out = deepcopy(self.carried)
         out.add(stats)
-        out.sized_width, out.sized_topk = stats.sized_width, stats.sized_topk
+        out.sized_width, out.sized_topk, out.sized_calibration = \
+            stats.sized_width, stats.sized_topk, stats.sized_calibration
         n = len(self.emitted)
         out.tokens = n if self.attempts else stats.tokens
         out.recoveries = self.attempts

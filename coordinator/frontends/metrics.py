@@ -76,6 +76,10 @@ SIZED_WIDTH = Gauge("specpipe_sized_width", "specpipe's width as its cost rule h
                     "(0: no speculation, plain pipelining; coordinator/core/sizing.py)", ["method"])
 SIZED_TOPK = Gauge("specpipe_sized_topk", "specpipe's topk (children per expanded node) as its cost rule had it for "
                    "the last finished request (0: no speculation)", ["method"])
+SIZED_CALIBRATION = Gauge("specpipe_sized_calibration", "specpipe's cost rule: the measured pace of its speculating "
+                          "choice over what its model predicts, as of the last finished request (1: the model is "
+                          "exact; what it leaves out: shared cores, lag, refills; set once the rule has decided)",
+                          ["method"])
 QUEUED = Gauge("specpipe_queued_requests", "Requests waiting in the admission queue")
 ACTIVE = Gauge("specpipe_active_requests", "Requests admitted and running")
 
@@ -153,6 +157,8 @@ class RequestMetrics:
             SIZED_WIDTH.labels(self.method).set(stats.sized_width)
         if stats.sized_topk is not None:
             SIZED_TOPK.labels(self.method).set(stats.sized_topk)
+        if stats.sized_calibration is not None:
+            SIZED_CALIBRATION.labels(self.method).set(stats.sized_calibration)
         if stats.steps:
             TOKENS_PER_STEP.labels(self.method).observe(stats.tokens_per_step)
         if stats.decode_steps:

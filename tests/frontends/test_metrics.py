@@ -84,8 +84,8 @@ def test_token_gaps_ttft_and_outcome_on_a_fake_clock(metrics_port):
         clock.t = 11.5
         m.tokens(1)             # one gap of 0.4
         m.finished("length", RequestStats(steps=12, tokens=6, decode_steps=10, batches=8.0, control_ms=12.0,
-                                          sized_width=4, sized_topk=8, spec=SpecCounters(hits=4, misses=2, lag_steps=3,
-                                                                           refill_steps=2)))
+                                          sized_width=4, sized_topk=8, sized_calibration=0.8,
+                                          spec=SpecCounters(hits=4, misses=2, lag_steps=3, refill_steps=2)))
     after = scrape(metrics_port)
     d = lambda name, **kw: delta(before, after, name, method="tree", **kw)      # noqa: E731
     assert d("specpipe_time_to_first_token_seconds_count") == 1
@@ -106,6 +106,7 @@ def test_token_gaps_ttft_and_outcome_on_a_fake_clock(metrics_port):
     assert d("specpipe_control_seconds_per_step_sum") == pytest.approx(0.0015)   # 12 ms over 8 results
     assert value(after, "specpipe_sized_width", method="tree") == 4               # the cost rule's last width
     assert value(after, "specpipe_sized_topk", method="tree") == 8                # ... and topk
+    assert value(after, "specpipe_sized_calibration", method="tree") == pytest.approx(0.8)   # ... its model's fit
 
 
 def test_outcomes_of_errors_are_bounded_labels(metrics_port):

@@ -49,6 +49,8 @@ async def test_the_warm_up_ends_once_the_rule_has_decided_and_leaves_nothing(tin
         tokens = [t async for c in coord.generate(GenerateInput(prompt_token_ids=prompt, max_new_tokens=12,
                                                                 ignore_eos=True)) for t in c.token_ids]
         assert tokens == hf_greedy(tiny_hf, prompt, 12)
+        assert REGISTRY.get_sample_value("specpipe_sized_calibration", {"method": "specpipe"}) == \
+            pytest.approx(sizer.calibration), "the rule's model fit, as of the request after the warm-up"
 
 
 async def test_no_warm_up_without_a_rule_or_tokens(tiny_model):

@@ -204,6 +204,7 @@ class SpecPipeScheduler(DraftBeside, BatchingScheduler):
         if self.sizer is not None:        # the cost rule's last choice for it (0: no speculation)
             plain = request_id in self.plain
             state.stats.sized_width, state.stats.sized_topk = (0, 0) if plain else (self.width, self.topk)
+            state.stats.sized_calibration = self.sizer.calibration if self.sizer.decided else None
         self.plain.discard(request_id)
         self.draft_ops.append(DraftOp(OpKind.RELEASE, request_id))
         super()._finish(state, reason, error, error_code)
