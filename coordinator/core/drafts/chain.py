@@ -111,6 +111,7 @@ class Chain:
     done: list[ChainRound] = field(default_factory=list)
     grown: list[tuple[np.ndarray, ...]] = field(default_factory=list)   # per round, `ChainGrowth`'s columns
     _sizes: tuple[int, int] = (0, 0)         # children and expanded nodes in `grown`
+    _last: tuple = ()                        # what `record` saw of the last round, for `choose`
 
     def __post_init__(self) -> None:
         self.asked = self.frontier[ID].astype(np.int64)
@@ -121,7 +122,13 @@ class Chain:
 
     def step(self, proposals: ProposalRows) -> DraftNodes | None:
         """The round just computed proposed these children (one row per node of the round, as given): record
-        them with their ids, and return the next round's nodes (None: the chain is done)."""
+        them with their ids, and return the next round's nodes (None: the chain is done). `record`, then
+        `choose`."""
+        return self.choose() if self.record(proposals) else None
+
+    def record(self, proposals: ProposalRows) -> bool:
+        """Record the round's children with their ids (and their part of `growth`); whether a round may follow
+        (`choose` picks it: a job checks its `cut` in between, so a cut chain chooses nothing in vain)."""
         r = len(self.done)
         m, k = proposals.tokens.shape
         child_ids = self.first + (r * self.width + np.arange(m))[:, None] * self.topk + np.arange(k)
@@ -131,8 +138,14 @@ class Chain:
         scores = self.scores[:, None] + proposals.logps           # [m, k] cumulative
         parents, depths = np.repeat(self.ids, k), np.repeat(self.depths + 1, k)      # [m * k] each
         self._grow(proposals, valid, scores, child_ids, parents, depths)
-        if len(self.done) >= self.rounds or not m:
-            return None
+        self._last = (proposals, valid, scores, child_ids, parents, depths)
+        return len(self.done) < self.rounds and m > 0
+
+    def choose(self) -> DraftNodes | None:
+        """The next round's nodes after the one `record` took (None: no node left to expand)."""
+        proposals, valid, scores, child_ids, parents, depths = self._last
+        m, k = child_ids.shape
+        full = valid is None
         cells = np.empty((6, m * k))                              # the children as candidates
         cells[ID], cells[DEPTH], cells[FRESH] = child_ids.ravel(), depths, 1.0
         cells[NEG], cells[PARENT], cells[TOKEN] = -scores.ravel(), parents, proposals.tokens.ravel()

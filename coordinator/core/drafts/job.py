@@ -171,7 +171,8 @@ class DraftJob:
 
     def _chain(self, draft: DraftSource, out: "DraftResults", asked: dict[str, int]) -> Generator[None, None, None]:
         """The chained requests' later rounds (coordinator/core/drafts/chain.py), batched across requests: after
-        each round every chain chooses its next nodes; a request that fails stops there (its error)."""
+        each round every chain records it and, unless the job was cut meanwhile, chooses its next nodes; a
+        request that fails stops there (its error)."""
         due: dict[str, ProposalRows] = {}
         for request_id, chain in self.chains.items():
             got = out.proposals.get(request_id)
@@ -182,21 +183,32 @@ class DraftJob:
         rounds = 1
         while due:
             started = time.perf_counter()
-            nxt = []
+            more = []
             for request_id, rows in due.items():
                 try:
-                    nodes = self.chains[request_id].step(rows)
+                    if self.chains[request_id].record(rows):
+                        more.append(request_id)
                 except Exception as e:       # (a request's failure is its own)
+                    out.errors[request_id] = e
+            out.select_ms += (time.perf_counter() - started) * 1e3
+            if not more:
+                break
+            yield                            # a round's end
+            if self.cut:
+                out.cut = True
+                break
+            started = time.perf_counter()    # (after the cut's check: a cut chain chooses nothing in vain)
+            nxt = []
+            for request_id in more:
+                try:
+                    nodes = self.chains[request_id].choose()
+                except Exception as e:
                     out.errors[request_id] = e
                     continue
                 if nodes is not None:
                     nxt.append((request_id, nodes))
             out.select_ms += (time.perf_counter() - started) * 1e3
             if not nxt:
-                break
-            yield                            # a round's end
-            if self.cut:
-                out.cut = True
                 break
             try:
                 results: list[Proposals | Exception] = draft.expand_many(nxt, self.topk)

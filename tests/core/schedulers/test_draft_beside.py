@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from coordinator.core.drafts.chain import Chain
 from coordinator.core.drafts.job import DraftJob, DraftResults
 from coordinator.core.drafts.model import ModelDraft, quantized_copy
 from coordinator.core.schedulers.base import Finish, Request
@@ -292,14 +293,20 @@ def test_a_prune_while_a_job_computes_drops_its_proposals_and_frees_its_rows(par
 
 @pytest.mark.parametrize("policy", ["hybrid", "best-first"])
 @pytest.mark.parametrize("sampled", [False, True])
-def test_a_chained_job_expands_the_nodes_that_rounds_made_one_by_one_would(parts, policy, sampled):
+def test_a_chained_job_expands_the_nodes_that_rounds_made_one_by_one_would(parts, policy, sampled, monkeypatch):
     """With no result in between (and no injection: dispatch is off), one job chaining three rounds grows the
     same tree as three jobs of a round each: the same nodes, by their paths of tokens, with the same scores,
     expanded or not alike; the coordinator made two jobs instead of four (the first, the root's, is alone).
     Chains cut after every round (`DraftJob.cut`, as a result arriving would) grow it too, in four jobs: the
-    rounds not run are due again."""
+    rounds not run are due again, and a cut chain chooses no round in vain."""
     drafts, runners = parts
-    grown, jobs = {}, {}
+    grown, jobs, chose = {}, {}, {"chain": 0, "cut": 0, "rounds": 0}
+    choose = Chain.choose
+
+    def counted(chain):
+        chose[mode] += 1
+        return choose(chain)
+    monkeypatch.setattr(Chain, "choose", counted)
     draft = drafts["right"]              # (not `quant`: its int8 activations are scaled per batch, so a node's
     for mode in ("chain", "cut", "rounds"):    # proposals depend on which rows share its call)
         sched = SpecPipeScheduler(4, draft, width=3, policy=policy, topk=3, rounds=4, chain=mode != "rounds")
@@ -321,6 +328,7 @@ def test_a_chained_job_expands_the_nodes_that_rounds_made_one_by_one_would(parts
                        for i in tree.nodes}
         draft.release(rid)
     assert jobs == {"chain": 2, "cut": 4, "rounds": 4}
+    assert chose == {"chain": 2, "cut": 0, "rounds": 0}, "a chain of 3 rounds chooses 2; a cut one none"
     assert sum(e for e, _ in grown["rounds"].values()) == 1 + 3 * 3, "the root, then 3 rounds of width 3"
     assert grown["chain"] == grown["rounds"] and grown["cut"] == grown["rounds"]
 
