@@ -15,7 +15,8 @@ when the job is applied, and the draft frees it with the queued prune: the front
 names it).
 
 Cut. A result that comes back while a chain runs wants the rounds done so far: the scheduler sets the job's
-`cut` flag (coordinator/core/drafts/job.py) and the chain stops at the end of its round; the rounds not run are
+`cut` flag (coordinator/core/drafts/job.py) and the chain stops at the end of its round (`record`: the job
+checks the flag before `choose`, so a cut chain chooses nothing in vain); the rounds not run are
 due again and chosen from the tree as the result left it. A draft slow against the stages is cut after every
 first round, which is rounds made one by one.
 
