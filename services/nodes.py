@@ -180,9 +180,10 @@ class NodeTable:
     def check_control(self, commit: list[int], prune: list[int]) -> list[int]:
         """Raise ProtocolError if commit(commit) then prune(prune) would fail; changes nothing. Returns the ids
         the prune tombstones (`prune(prune, doomed=)` after the commit: what the commit makes dead by its
-        watermark is not held, and burying it again is a no-op)."""
+        watermark is not held, and burying it again is a no-op). A message that commits an id and prunes it
+        (or a held ancestor of it) is refused, held or not: the prune would silently undo the commit."""
         self._check_commit(commit)
-        return self._doomed(prune, committing={i for i in commit if i in self.nodes})
+        return self._doomed(prune, committing=set(commit))
 
     def commit(self, ids: list[int]) -> None:
         """Mark nodes committed (remembered until their row arrives when not held yet). All or nothing:
@@ -242,9 +243,9 @@ class NodeTable:
             if node is None and (node_id in listed or (node_id < watermark and node_id not in pending)):
                 continue                                  # dead already
             seen.add(node_id)
+            if node_id in committing or (node is not None and node.committed):
+                raise ProtocolError(f"cannot prune committed node {node_id}")
             if node is not None:
-                if node.committed or node_id in committing:
-                    raise ProtocolError(f"cannot prune committed node {node_id}")
                 stack.extend(node.children)
             doomed.append(node_id)
         return doomed

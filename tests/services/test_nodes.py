@@ -167,6 +167,19 @@ def test_prune_of_committed_node_is_error() -> None:
     assert set(t.nodes) == {0, 1}
 
 
+def test_a_control_message_that_commits_and_prunes_one_node_is_refused_held_or_not() -> None:
+    """commit then prune in one message: a node it commits may not die by its prune, whether the table holds
+    it (1) or only expects it (9, not arrived: the prune would silently cancel the commit); nothing changes."""
+    t = NodeTable()
+    chain(t, 2)
+    t.commit([0])
+    for commit, prune in (([1], [1]), ([9], [9]), ([1], [1, 5])):
+        with pytest.raises(ProtocolError, match="committed"):
+            t.check_control(commit, prune)
+    assert t.check_control([9], [1]) == [1], "a node and another's prune go together"
+    assert set(t.nodes) == {0, 1} and not t.pending_commit and not t.listed
+
+
 def test_protocol_error_is_value_error() -> None:
     assert issubclass(ProtocolError, ValueError)
 

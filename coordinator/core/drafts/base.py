@@ -151,7 +151,8 @@ class DraftSource(ABC):
     def control(self, request_id: str, commit: list[int], tokens: list[int], prune: list[int]) -> None:
         """A request's commits, then its prunes, as one message (a job's queued bookkeeping, coalesced:
         `DraftJob`); a source with a KV table checks and applies it at once, as a stage does a control
-        message. Here: `commit`, then `prune`."""
+        message. Here: `commit`, then `prune` (a source whose `commit` or `prune` goes through `control` must
+        override `control` too, or they call each other for ever)."""
         if commit:
             self.commit(request_id, commit, tokens)
         if prune:

@@ -87,7 +87,8 @@ def candidates(ids: np.ndarray, parents: np.ndarray, depths: np.ndarray, tokens:
                injected: np.ndarray) -> np.ndarray:
     """Nodes as candidate columns: [6, n] float64 (rows ID, DEPTH, FRESH, NEG, PARENT, TOKEN)."""
     c = np.empty((6, len(ids)))
-    c[ID], c[DEPTH], c[FRESH], c[NEG], c[PARENT], c[TOKEN] = ids, depths, ~injected, -scores, parents, tokens
+    c[ID], c[DEPTH], c[NEG], c[PARENT], c[TOKEN] = ids, depths, -scores, parents, tokens
+    c[FRESH] = np.logical_not(injected)
     return c
 
 
@@ -119,6 +120,7 @@ class Chain:
 
     @property
     def frontier_ids(self) -> np.ndarray:
+        """[f] int64, the ids of the nodes carried to the rounds after the next."""
         return self.frontier[ID].astype(np.int64)
 
     def step(self, proposals: ProposalRows) -> DraftNodes | None:
@@ -128,8 +130,9 @@ class Chain:
         return self.choose() if self.record(proposals) else None
 
     def record(self, proposals: ProposalRows) -> bool:
-        """Record the round's children with their ids (and their part of `growth`); whether a round may follow
-        (`choose` picks it: a job checks its `cut` in between, so a cut chain chooses nothing in vain)."""
+        """Record the round's children with their ids (and their part of `growth`); whether a round follows (one
+        is left and a node to expand: a usable child or the frontier). `choose` picks it: a job checks its `cut`
+        in between, so a cut chain chooses nothing in vain."""
         r = len(self.done)
         m, k = proposals.tokens.shape
         child_ids = self.first + (r * self.width + np.arange(m))[:, None] * self.topk + np.arange(k)
@@ -139,22 +142,26 @@ class Chain:
         scores = self.scores[:, None] + proposals.logps           # [m, k] cumulative
         parents, depths = np.repeat(self.ids, k), np.repeat(self.depths + 1, k)      # [m * k] each
         self._grow(proposals, valid, scores, child_ids, parents, depths)
-        self._last = (proposals, valid, scores, child_ids, parents, depths)
-        return len(self.done) < self.rounds and m > 0
+        if len(self.done) >= self.rounds or not m:
+            self._last = ()
+            return False
+        usable = depths < self.max_depth                          # [m * k] children the next round may expand
+        if valid is not None:
+            usable &= valid.ravel()
+        for token in self.skip:
+            usable &= proposals.tokens.ravel() != token
+        self._last = (proposals, valid, scores, child_ids, parents, depths, usable)
+        return bool(usable.any()) or self.frontier.shape[1] > 0
 
     def choose(self) -> DraftNodes | None:
         """The next round's nodes after the one `record` took (None: no node left to expand)."""
-        proposals, valid, scores, child_ids, parents, depths = self._last
+        assert self._last, "choose follows a record that said a round follows"
+        proposals, valid, scores, child_ids, parents, depths, usable = self._last
         m, k = child_ids.shape
         full = valid is None
         cells = np.empty((6, m * k))                              # the children as candidates
         cells[ID], cells[DEPTH], cells[FRESH] = child_ids.ravel(), depths, 1.0
         cells[NEG], cells[PARENT], cells[TOKEN] = -scores.ravel(), parents, proposals.tokens.ravel()
-        usable = cells[DEPTH] < self.max_depth
-        if not full:
-            usable &= valid.ravel()
-        for token in self.skip:
-            usable &= cells[TOKEN] != token
         tip = -1                                                  # the spine goes on through the tip's best child
         if self.tip >= 0:
             row = scores[self.tip] if full else np.where(valid[self.tip], scores[self.tip], -np.inf)

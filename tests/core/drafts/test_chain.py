@@ -23,7 +23,8 @@ def chain(rounds: int = 2, width: int = 2, topk: int = 2, frontier=(), tip: int 
 
 
 def rows(*cells) -> ProposalRows:
-    return ProposalRows.topk(np.array([[t for t, _ in r] for r in cells], I64), np.array([[s for _, s in r] for r in cells]))
+    return ProposalRows.topk(np.array([[t for t, _ in r] for r in cells], I64),
+                             np.array([[s for _, s in r] for r in cells]))
 
 
 def test_the_next_round_is_the_best_children_and_frontier_by_score_with_ids_from_the_block():
@@ -56,6 +57,10 @@ def test_eos_and_the_depth_limit_leave_children_unexpanded():
     assert [n.token for n in nxt] == [2, 3], "x (EOS) has no children to propose: the next best go"
     c = chain(max_depth=6)
     assert c.step(rows([(1, -0.2), (2, -0.3)], [(3, -0.1), (4, -3.0)])) is None, "depth 6 is the limit"
+    # `record` says so before `choose` (a job waits for no round, so a result cannot cut one that would not run)
+    assert not chain(max_depth=6).record(rows([(1, -0.2), (2, -0.3)], [(3, -0.1), (4, -3.0)]))
+    assert chain(max_depth=6, frontier=[(50, -0.9, False)]).record(
+        rows([(1, -0.2), (2, -0.3)], [(3, -0.1), (4, -3.0)])), "the frontier is left to expand"
 
 
 def test_the_spine_goes_on_through_the_tips_best_child_first_while_within_its_lead():

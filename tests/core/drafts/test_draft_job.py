@@ -70,9 +70,10 @@ class Counting(ModelDraft):
 
 
 def test_a_jobs_commits_and_prunes_go_in_one_control_per_request_and_leave_the_table_as_op_by_op(tiny_model):
-    """Two results' bookkeeping for a (commit 3 and prune 11's subtree, then commit 10 and prune 12) and b's
-    release go as b's release and one control for a (commits [3, 10], prunes [11, 12]); a's KV table ends as
-    the same ops applied one by one leave it."""
+    """Two results' bookkeeping for a (commit 3 and prune 11's subtree, then commit 10 and 15 — a child of 10
+    the draft has not computed: expected — and prune 12 and 16, never held) and b's release go as b's release
+    and one control for a (commits [3, 10, 15], prunes [11, 12, 16]); a's KV table ends as the same ops applied
+    one by one leave it: rows, slots, commits expected, tombstones, tip."""
     model = quantized_copy(str(tiny_model))
     drafts = [Counting(model), Counting(model)]
     for d in drafts:
@@ -81,10 +82,11 @@ def test_a_jobs_commits_and_prunes_go_in_one_control_per_request_and_leave_the_t
         d.expand("a", [DraftNode(10, 3, 4, 20), DraftNode(11, 3, 4, 21), DraftNode(12, 3, 4, 22)], 2)
         d.expand("a", [DraftNode(13, 11, 5, 23), DraftNode(14, 10, 5, 24)], 2)
     ops = [DraftOp(OpKind.COMMIT, "a", (3,), (8,)), DraftOp(OpKind.PRUNE, "a", (11,)),
-           DraftOp(OpKind.RELEASE, "b"), DraftOp(OpKind.COMMIT, "a", (10,), (20,)), DraftOp(OpKind.PRUNE, "a", (12,))]
+           DraftOp(OpKind.RELEASE, "b"), DraftOp(OpKind.COMMIT, "a", (10, 15), (20, 25)),
+           DraftOp(OpKind.PRUNE, "a", (12, 16))]
     results = DraftJob(ops=list(ops)).run(drafts[0])
     assert not results.errors
-    assert drafts[0].controls == [("a", [3, 10], [11, 12])], "b's release flushed nothing of a's; one control"
+    assert drafts[0].controls == [("a", [3, 10, 15], [11, 12, 16])], "b's release flushed nothing of a's; one control"
     for op in ops:                                  # the same ops, one by one
         if op.kind is OpKind.COMMIT:
             drafts[1].commit(op.request_id, list(op.node_ids), list(op.tokens))
@@ -98,5 +100,8 @@ def test_a_jobs_commits_and_prunes_go_in_one_control_per_request_and_leave_the_t
         {i: n.committed for i, n in single.table.nodes.items()}
     assert coalesced.table.watermark == single.table.watermark == 10
     assert sorted(coalesced.free) == sorted(single.free) and len(coalesced.free) == 3, "11, 12, 13's slots freed"
-    assert 13 in coalesced.table.tombstones and 13 in single.table.tombstones
+    assert coalesced.table.pending_commit == single.table.pending_commit == {15}
+    assert coalesced.table.tip_position == single.table.tip_position == 4
+    assert [i in coalesced.table.tombstones for i in range(20)] == [i in single.table.tombstones for i in range(20)]
+    assert {13, 16} <= coalesced.table.tombstones and 15 not in coalesced.table.tombstones
     assert not drafts[0].runner.cache.get("b", create=False) and not drafts[1].runner.cache.get("b", create=False)
