@@ -161,3 +161,43 @@ def test_bounded_table_agrees_with_unbounded_reference(ops: list[tuple[str, int]
         deliver("control")
     assert set(table.nodes) == set(ref.nodes)
     assert all(i >= table.watermark for i in table.listed)
+
+
+@settings(max_examples=300, deadline=None)
+@given(OPS, st.integers(2, 4))
+def test_a_run_of_control_messages_applied_as_one_leaves_the_table_as_one_by_one(ops: list[tuple[str, int]],
+                                                                                  run: int) -> None:
+    """The draft applies a job's queued controls of a request as one message, its commits then its prunes
+    (coordinator/core/drafts/job.py): for coordinator-like traffic — commits of held and expected nodes, prunes
+    of live, late and never-held ids, rows arriving before and after — the table ends as the messages applied
+    one by one leave it: rows, expected commits, tombstones, tip and watermark."""
+    coord, single, coalesced = Coordinator(), NodeTable(), NodeTable()
+
+    def check() -> None:
+        assert set(single.nodes) == set(coalesced.nodes)
+        assert {i: n.committed for i, n in single.nodes.items()} == {i: n.committed for i, n in coalesced.nodes.items()}
+        assert single.pending_commit == coalesced.pending_commit and single.tip_position == coalesced.tip_position
+        assert single.watermark == coalesced.watermark
+        ids = range(coord.next_id)
+        assert [i in single.tombstones for i in ids] == [i in coalesced.tombstones for i in ids]
+
+    for kind, k in ops:
+        if kind == "grow":
+            coord.grow(k)
+        elif kind == "commit":
+            coord.commit(k)
+        elif kind == "data" and coord.rows:
+            row = coord.rows.popleft()
+            assert single.admit(*row) is coalesced.admit(*row), row
+        elif kind == "control" and coord.controls:
+            msgs = [coord.controls.popleft() for _ in range(min(run, len(coord.controls)))]
+            for commit, prune in msgs:
+                single.check_control(commit, prune)
+                single.commit(commit)
+                single.prune(prune)
+            commit = [i for c, _ in msgs for i in c]
+            prune = [i for _, p in msgs for i in p]
+            doomed = coalesced.check_control(commit, prune)
+            coalesced.commit(commit)
+            coalesced.prune(prune, doomed)
+        check()
