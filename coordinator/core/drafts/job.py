@@ -129,9 +129,9 @@ class DraftJob:
         """The ops in order, each request's commits and prunes coalesced into one `DraftSource.control` (its
         commits, then its prunes: one check and one pass over the KV table, as a stage takes a control
         message). Reordering them is safe: the tree commits only live nodes and prunes only uncommitted ones,
-        so no op of a job undoes another's. A release flushes the request's ops before it and always runs (the
-        request has ended, nothing else frees its state); a request that failed (its prefill, an op) gets no
-        more ops. A failure is the request's own.
+        so no op of a job undoes another's (a control in which one would is refused: `NodeTable.check_control`).
+        A release flushes the request's ops before it and always runs (the request has ended, nothing else frees
+        its state); a request that failed (its prefill, an op) gets no more ops. A failure is the request's own.
 
             [COMMIT a (4,), PRUNE a (7, 9), COMMIT a (5,), RELEASE b]  ->  b released, then a: control(commit
             [4, 5], prune [7, 9])
