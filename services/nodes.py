@@ -180,8 +180,9 @@ class NodeTable:
     def check_control(self, commit: list[int], prune: list[int]) -> list[int]:
         """Raise ProtocolError if commit(commit) then prune(prune) would fail; changes nothing. Returns the ids
         the prune tombstones (`prune(prune, doomed=)` after the commit: what the commit makes dead by its
-        watermark is not held, and burying it again is a no-op). A message that commits an id and prunes it
-        (or a held ancestor of it) is refused, held or not: the prune would silently undo the commit."""
+        watermark is not held, and burying it again is a no-op). A message that commits an id and prunes it is
+        refused, whether the table holds it or only expects it (so is one pruning a held ancestor of a held node
+        it commits): the prune would silently undo the commit."""
         self._check_commit(commit)
         return self._doomed(prune, committing=set(commit))
 
