@@ -142,21 +142,17 @@ class DraftSource(ABC):
         with keep_q; None for sources without one: their children count as point masses)."""
         return None
 
+    def control(self, request_id: str, commit: list[int], tokens: list[int], prune: list[int]) -> None:
+        """A request's commits (node ids and their tokens, in order), then its prunes (node ids, with their
+        subtrees), as one message: a job's queued bookkeeping, coalesced (`DraftJob`). A source with a KV table
+        checks and applies it at once, as a stage does a control message. The one method a source overrides for
+        bookkeeping; nothing to keep here."""
+
     def commit(self, request_id: str, node_ids: list[int], tokens: list[int]) -> None:
-        pass
+        self.control(request_id, node_ids, tokens, [])
 
     def prune(self, request_id: str, node_ids: list[int]) -> None:
-        pass
-
-    def control(self, request_id: str, commit: list[int], tokens: list[int], prune: list[int]) -> None:
-        """A request's commits, then its prunes, as one message (a job's queued bookkeeping, coalesced:
-        `DraftJob`); a source with a KV table checks and applies it at once, as a stage does a control
-        message. Here: `commit`, then `prune` (a source whose `commit` or `prune` goes through `control` must
-        override `control` too, or they call each other for ever)."""
-        if commit:
-            self.commit(request_id, commit, tokens)
-        if prune:
-            self.prune(request_id, prune)
+        self.control(request_id, [], [], node_ids)
 
     def release(self, request_id: str) -> None:
         pass

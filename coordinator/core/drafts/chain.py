@@ -116,7 +116,7 @@ class Chain:
     _last: tuple = ()                        # what `record` saw of the last round, for `choose`
 
     def __post_init__(self) -> None:
-        self.asked = self.frontier[ID].astype(np.int64)
+        self.asked = self.frontier_ids
 
     @property
     def frontier_ids(self) -> np.ndarray:
@@ -159,9 +159,8 @@ class Chain:
         proposals, valid, scores, child_ids, parents, depths, usable = self._last
         m, k = child_ids.shape
         full = valid is None
-        cells = np.empty((6, m * k))                              # the children as candidates
-        cells[ID], cells[DEPTH], cells[FRESH] = child_ids.ravel(), depths, 1.0
-        cells[NEG], cells[PARENT], cells[TOKEN] = -scores.ravel(), parents, proposals.tokens.ravel()
+        cells = candidates(child_ids.ravel(), parents, depths, proposals.tokens.ravel(), scores.ravel(),
+                           np.zeros(m * k, bool))                # the children (none injected yet)
         tip = -1                                                  # the spine goes on through the tip's best child
         if self.tip >= 0:
             row = scores[self.tip] if full else np.where(valid[self.tip], scores[self.tip], -np.inf)

@@ -118,16 +118,6 @@ class CombinedDraft(DraftSource):
     def take_q(self, request_id: str, node_id: int) -> torch.Tensor | None:
         return self.model.take_q(request_id, node_id)
 
-    def commit(self, request_id: str, node_ids: list[int], tokens: list[int]) -> None:
-        self.model.commit(request_id, node_ids, tokens)
-        if request_id in self.merged:
-            self.ngram.commit(request_id, node_ids, tokens)
-
-    def prune(self, request_id: str, node_ids: list[int]) -> None:
-        self.model.prune(request_id, node_ids)
-        if request_id in self.merged:
-            self.ngram.prune(request_id, node_ids)
-
     def control(self, request_id: str, commit: list[int], tokens: list[int], prune: list[int]) -> None:
         self.model.control(request_id, commit, tokens, prune)
         if request_id in self.merged:

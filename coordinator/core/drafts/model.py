@@ -201,12 +201,6 @@ class ModelDraft(DraftSource):
         self.compute_s += time.perf_counter() - started
         return out
 
-    def commit(self, request_id: str, node_ids: list[int], tokens: list[int]) -> None:
-        self.control(request_id, node_ids, tokens, [])
-
-    def prune(self, request_id: str, node_ids: list[int]) -> None:
-        self.control(request_id, [], [], node_ids)
-
     def control(self, request_id: str, commit: list[int], tokens: list[int], prune: list[int]) -> None:
         """One check and one pass over the KV table (`StageRunner.apply`): all or nothing."""
         self.runner.apply(Control(request_id, commit=commit, prune=prune))

@@ -64,14 +64,14 @@ class NgramDraft(DraftSource):
                 return [(t, math.log(c / total)) for t, c in follow.most_common(k)]
         return []
 
-    def commit(self, request_id: str, node_ids: list[int], tokens: list[int]) -> None:
-        self.committed[request_id].extend(tokens)
-        self.committed_ids[request_id].update(node_ids)
-
-    def prune(self, request_id: str, node_ids: list[int]) -> None:
-        table = self.tokens[request_id]
-        for nid in node_ids:
-            table.pop(nid, None)
+    def control(self, request_id: str, commit: list[int], tokens: list[int], prune: list[int]) -> None:
+        if commit:
+            self.committed[request_id].extend(tokens)
+            self.committed_ids[request_id].update(commit)
+        if prune:
+            table = self.tokens[request_id]
+            for nid in prune:
+                table.pop(nid, None)
 
     def release(self, request_id: str) -> None:
         for d in (self.tokens, self.committed, self.committed_ids):
