@@ -85,6 +85,7 @@ class BenchConfig:
                                        # empty: 0.3 x the stage time (services/config.py parse_draft_time)
     hop_ms: float = 0.3                # --simulate: each hop's time
     control_time: str = "measured"     # --simulate: charge the coordinator's measured control time, or "0"
+    repeats: int = 1                   # the whole bench this many times, the median run reported (bench/repeats.py)
     variants: list[Variant] = field(default_factory=list)
 
     @property
@@ -101,6 +102,8 @@ class BenchConfig:
         parse_control_time(self.control_time)
         if not self.hop_ms >= 0:
             raise ValueError(f"--hop-ms {self.hop_ms!r} must be 0 or more")
+        if self.repeats < 1:
+            raise ValueError(f"--repeats {self.repeats} must be at least 1")
         if not self.concurrency or min(self.concurrency) < 1 or self.rounds < 1:
             raise ValueError("concurrency levels and rounds must be at least 1")
         if self.request_rates and (self.concurrency != [1] or not all(r > 0 for r in self.request_rates)):

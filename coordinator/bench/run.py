@@ -22,6 +22,7 @@ from services.config import parse_stage_time
 from coordinator.bench.common import (OVERRUN, BenchConfig, Regime, Variant, generate_one, load_prompts,
                                       machine_cores, summarize)
 from coordinator.bench.load import level_name, ratios, run_levels
+from coordinator.bench.repeats import side_by_side, spreads
 from coordinator.config import CoordinatorConfig
 from coordinator.core.vocabulary import DRAFTS, Method
 from coordinator.engine.local import LocalStages
@@ -30,6 +31,12 @@ from coordinator.frontends.service import Coordinator, ModelParts
 
 
 async def run_bench(cfg: BenchConfig, log=print) -> dict:
+    """One bench over real processes, written to cfg.out (`measure_bench`, then `write_results`)."""
+    return write_results(await measure_bench(cfg, log), cfg.out)
+
+
+async def measure_bench(cfg: BenchConfig, log=print) -> dict:
+    """One bench over real processes: the result, not written."""
     prompts = load_prompts(cfg.prompts, cfg.num_prompts)
     stage_time = parse_stage_time(cfg.stage_time_ms)
     out_rows = []
@@ -76,7 +83,7 @@ async def run_bench(cfg: BenchConfig, log=print) -> dict:
         from coordinator.bench.hf_reference import hf_rows
         log("  transformers reference (generate, assisted generate) in this process")
         result["rows"] += hf_rows(cfg.model, cfg.draft, prompts, cfg.max_new_tokens, cfg.device, cfg.threads)
-    return write_results(result, cfg.out)
+    return result
 
 
 def write_results(result: dict, out_dir: str) -> dict:
@@ -110,7 +117,7 @@ def table(result: dict) -> str:
                      f"{r['ttft_ms_mean']:>8.0f} {tps:>9} {r.get('decode_tokens_per_step') or 0:>8.2f} {hit:>6} "
                      f"{r['throughput_tok_s']:>7.2f} {100 * r['draft_share']:>6.1f}% {ovh:>6} {ctl:>7} {warm:>6}  "
                      f"{flag}")
-    lines += ratios(rows)
+    lines += ratios(rows) + spreads(rows) + side_by_side(rows)
     base = {r["stages"]: r["tbt_ms_mean"] for r in rows if r["method"] == Method.PP and r["concurrency"] == 1}
     for r in rows:
         if r["method"] != Method.PP and r["concurrency"] == 1 and r["stages"] in base and r["tbt_ms_mean"]:
@@ -183,6 +190,10 @@ def main_args(p) -> None:
                    help="real processes: before the measured prompts, warm each variant's cost rule up with a "
                         "generation of up to this many tokens, ended once the rule has decided (as `specpipe run` "
                         "does; 0: the first prompts pay the rule's exploration)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the whole bench this many times: each row is the median run's (time between tokens; "
+                        "throughput under load) with every run's figures, and specpipe's ratio to each other "
+                        "method run by run (side by side within each run) with their median and spread")
 
 
 def config_from_args(a) -> BenchConfig:
@@ -201,7 +212,7 @@ def config_from_args(a) -> BenchConfig:
                        verifies=strs(a.verifies), topks=ints(a.topks), draft_rounds=ints(a.draft_rounds),
                        draft_chains=ints(a.draft_chains), calibrations=ints(a.calibrations),
                        draft_time_ms=given("draft_time_ms"), hop_ms=given("hop_ms"),
-                       control_time=getattr(a, "control_time", "measured"),
+                       control_time=getattr(a, "control_time", "measured"), repeats=getattr(a, "repeats", 1),
                        tree_shapes=[(n, d) for n in ints(a.tree_nodes) for d in ints(a.tree_depth or "6")])
 
 

@@ -92,7 +92,7 @@ def run_simulated(cfg: BenchConfig, log=print) -> dict:
             rows.append(row)
     return {"config": {"stages": cfg.stages, "variants": [v.label for v in cfg.variants], "simulate": True,
                        "stage_time_ms": cfg.stage_time_ms, "emulated_stage_time": True, "hop_ms": cfg.hop_ms,
-                       "control_time": cfg.control_time,
+                       "control_time": cfg.control_time, "repeats": cfg.repeats,
                        "max_new_tokens": cfg.max_new_tokens, "num_prompts_used": len(prompts), "model": cfg.model,
                        "draft": cfg.draft,
                        "draft_time_ms": {"measured_scale": draft_time[1]} if draft_time[0] == "measured" else

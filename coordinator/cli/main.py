@@ -282,7 +282,8 @@ async def cmd_local(args: argparse.Namespace) -> int:
 
 
 async def cmd_bench(args: argparse.Namespace) -> int:
-    from coordinator.bench.run import config_from_args, log_stderr, run_bench, table
+    from coordinator.bench.repeats import combine
+    from coordinator.bench.run import config_from_args, log_stderr, measure_bench, table, write_results
     from coordinator.cli.progress import resolve_with_progress
 
     if args.draft_time_ms is not None and not args.simulate:
@@ -295,12 +296,16 @@ async def cmd_bench(args: argparse.Namespace) -> int:
     cfg.model = await asyncio.to_thread(resolve_with_progress, cfg.model)
     if args.simulate and (cfg.temperature or cfg.verifies):
         raise ValueError("--simulate runs greedy requests; drop --temperature and --verifies, or --simulate")
-    if args.simulate:
-        from coordinator.bench.run import write_results
-        from coordinator.bench.sim import run_simulated
-        result = write_results(await asyncio.to_thread(run_simulated, cfg, log=log_stderr), cfg.out)
-    else:
-        result = await run_bench(cfg, log=log_stderr)
+    runs = []
+    for i in range(cfg.repeats):        # (bench/repeats.py: the median run, every run's figures beside it)
+        if cfg.repeats > 1:
+            log_stderr(f"run {i + 1}/{cfg.repeats}")
+        if args.simulate:
+            from coordinator.bench.sim import run_simulated
+            runs.append(await asyncio.to_thread(run_simulated, cfg, log=log_stderr))
+        else:
+            runs.append(await measure_bench(cfg, log=log_stderr))
+    result = write_results(combine(runs), cfg.out)
     print(table(result))
     print(f"results: {cfg.out}/results.json; plots: {', '.join(result.get('plots', []))}", file=sys.stderr)
     return 0
