@@ -61,10 +61,18 @@ def test_runs_with_other_rows_are_refused():
         BenchConfig(stages=[2], methods=["pp"], widths=[8], policies=["hybrid"], repeats=0)
 
 
-def test_the_cli_runs_the_bench_n_times_and_reports_each_run(tiny_model8, tmp_path, capsys):
+def test_the_cli_runs_the_bench_n_times_and_reports_each_run(tiny_model8, tmp_path, capsys, monkeypatch):
     """Through `specpipe bench`: two runs on the deterministic clock (no control time charged) give the same
     figures twice: pp's 4 x 10 + 5 x 0.3 = 41.5 ms between tokens, by hand."""
-    from coordinator.cli.main import main
+    import torch
+
+    import coordinator.cli.main as cli
+    # (in this process: no logging set up on the captured stderr, which later tests would log to once closed;
+    # nor this process's allocator and torch threads changed)
+    monkeypatch.setattr(cli, "configure", lambda **kw: None)
+    monkeypatch.setattr(cli, "tune_allocator", lambda: None)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    main = cli.main
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt_token_ids": [5, 6, 7]}))
     out = tmp_path / "o"
