@@ -105,7 +105,10 @@ def test_generate_edges_and_then_every_method_exact_and_no_state_left(fuzz_env, 
     code, _, details = gen(temperature=1e-45, **base)      # used to yield a NaN distribution (token 0 forever)
     assert code == SC.INVALID_ARGUMENT and "temperature" in details
     a, b = gen(temperature=0.9, seed=(1 << 64) - 1, **base), gen(temperature=0.9, seed=(1 << 64) - 1, **base)
-    assert a[0] == SC.OK and [m.token_ids for m in a[1]] == [m.token_ids for m in b[1]]
+    # the same tokens (how they are split into messages follows how many commit per result: the cost rule's
+    # choice, which timing moves between the two requests)
+    assert a[0] == SC.OK and [t for m in a[1] for t in m.token_ids] == [t for m in b[1] for t in m.token_ids]
+    assert len([t for m in a[1] for t in m.token_ids]) == 4
     assert a[1][-1].stats.counters["seed"] == float((1 << 64) - 1)
     ref = hf_greedy(tiny_hf, [10, 20, 30], 6)
     for method in METHOD_NAMES:
