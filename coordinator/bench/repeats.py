@@ -37,6 +37,11 @@ def _loaded(row: dict) -> bool:
     return (row.get("concurrency") or 1) > 1 or bool(row.get("request_rate"))
 
 
+def _n(row: dict) -> int:
+    """How many runs a combined row holds (0: a single run's row)."""
+    return max((len(v) for v in (row.get("runs") or {}).values()), default=0)
+
+
 def _median_index(values: list[float]) -> int:
     """The index of the (lower) median value; runs without a value (None) sort last."""
     order = sorted(range(len(values)), key=lambda i: (values[i] is None, values[i] or 0.0))
@@ -71,10 +76,10 @@ def side_by_side(rows: list[dict]) -> list[str]:
     run by run (lower time between tokens for one client, throughput under load) and their median."""
     out = []
     for r in rows:
-        if r.get("method") != Method.SPECPIPE or len((r.get("runs") or {}).get("tbt_ms_mean", ())) < 2:
+        if r.get("method") != Method.SPECPIPE or _n(r) < 2:
             continue
         for b in rows:
-            if b.get("method") == Method.SPECPIPE or _key(b)[1:] != _key(r)[1:] or "runs" not in b:
+            if b.get("method") == Method.SPECPIPE or _key(b)[1:] != _key(r)[1:] or _n(b) < 2:
                 continue
             loaded = _loaded(r)
             metric = "throughput_tok_s" if loaded else "tbt_ms_mean"
@@ -95,12 +100,12 @@ def spreads(rows: list[dict]) -> list[str]:
     out = []
     for r in rows:
         runs = r.get("runs") or {}
-        if len(runs.get("tbt_ms_mean", ())) < 2:
+        if _n(r) < 2:
             continue
         metric, unit = ("throughput_tok_s", " tokens/s") if _loaded(r) else ("tbt_ms_mean", " ms")
         text = ", ".join("-" if x is None else f"{x:.2f}" for x in runs.get(metric, ()))
         ctl = [x for x in runs.get("control_ms_per_step_p50", ()) if x is not None]
-        out.append(f"    S={r['stages']} {r['label']}: {len(runs['tbt_ms_mean'])} runs, "
+        out.append(f"    S={r['stages']} {r['label']}: {_n(r)} runs, "
                    f"{'throughput' if _loaded(r) else 'time between tokens'} {text}{unit}"
                    + (f"; control p50 {', '.join(f'{x:.2f}' for x in ctl)} ms" if ctl else ""))
     return out
