@@ -296,15 +296,13 @@ async def cmd_bench(args: argparse.Namespace) -> int:
     cfg.model = await asyncio.to_thread(resolve_with_progress, cfg.model)
     if args.simulate and (cfg.temperature or cfg.verifies):
         raise ValueError("--simulate runs greedy requests; drop --temperature and --verifies, or --simulate")
+    from coordinator.bench.sim import run_simulated
     runs = []
     for i in range(cfg.repeats):        # (bench/repeats.py: the median run, every run's figures beside it)
         if cfg.repeats > 1:
             log_stderr(f"run {i + 1}/{cfg.repeats}")
-        if args.simulate:
-            from coordinator.bench.sim import run_simulated
-            runs.append(await asyncio.to_thread(run_simulated, cfg, log=log_stderr))
-        else:
-            runs.append(await measure_bench(cfg, log=log_stderr))
+        runs.append(await asyncio.to_thread(run_simulated, cfg, log=log_stderr) if args.simulate
+                    else await measure_bench(cfg, log=log_stderr))
     result = write_results(combine(runs), cfg.out)
     print(table(result))
     print(f"results: {cfg.out}/results.json; plots: {', '.join(result.get('plots', []))}", file=sys.stderr)

@@ -79,10 +79,10 @@ def test_specpipe_run_4_stages_quant_draft_matches_transformers(default_model, h
     assert result["token_ids"] == hf_greedy(hf_model, chat, 24)
     c = result["counters"]
     assert result["method"] == "specpipe" and c["hits"] + c["misses"] == 24
-    # some of the draft's tokens were taken (how many depends on this machine's timing: the cost rule and the
-    # draft's pace against the stages; how often the draft agrees: test_the_quant_draft_agrees_with_the_target)
-    # (tokens a step against plain pipelining's 1/S is a benchmark's figure here, not a pass/fail one)
-    assert c["hits"] > 0 and result["steps"] > 0
+    # some of the draft's tokens were taken; how many depends on this machine's timing (the cost rule, the draft's
+    # pace against the stages), so how often the draft agrees is test_the_quant_draft_agrees_with_the_target's,
+    # and tokens a step against plain pipelining's 1/S a benchmark's figure
+    assert c["hits"] > 0
     assert 0 < c["draft_share"] < 1 and c["stage0_rows_computed"] >= 24
 
 

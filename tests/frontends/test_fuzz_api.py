@@ -107,8 +107,8 @@ def test_generate_edges_and_then_every_method_exact_and_no_state_left(fuzz_env, 
     a, b = gen(temperature=0.9, seed=(1 << 64) - 1, **base), gen(temperature=0.9, seed=(1 << 64) - 1, **base)
     # the same tokens (how they are split into messages follows how many commit per result: the cost rule's
     # choice, which timing moves between the two requests)
-    assert a[0] == SC.OK and [t for m in a[1] for t in m.token_ids] == [t for m in b[1] for t in m.token_ids]
-    assert len([t for m in a[1] for t in m.token_ids]) == 4
+    tokens_a, tokens_b = ([t for m in msgs for t in m.token_ids] for msgs in (a[1], b[1]))
+    assert a[0] == SC.OK and tokens_a == tokens_b and len(tokens_a) == 4
     assert a[1][-1].stats.counters["seed"] == float((1 << 64) - 1)
     ref = hf_greedy(tiny_hf, [10, 20, 30], 6)
     for method in METHOD_NAMES:
